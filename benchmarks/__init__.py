@@ -1,0 +1,1 @@
+"""fastgrpo benchmarks: one script per measured thing, sharing harness.py."""

@@ -1,0 +1,38 @@
+"""fastgrpo: a GRPO / RLVR training engine whose hot paths are fused kernels.
+
+The public names are imported lazily so that `import fastgrpo` stays cheap (no transformers,
+no vLLM, no Triton until used).
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LossConfig": "fastgrpo.loss",
+    "LossOutput": "fastgrpo.loss",
+    "grpo_loss": "fastgrpo.loss",
+    "token_logprobs": "fastgrpo.loss",
+    "fused_linear_grpo_loss": "fastgrpo.loss",
+    "compute_advantages": "fastgrpo.advantages",
+    "broadcast_to_tokens": "fastgrpo.advantages",
+    "pack_sequences": "fastgrpo.packing",
+    "balance_partitions": "fastgrpo.packing",
+    "PackedBatch": "fastgrpo.packing",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastgrpo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,54 @@
+"""Every environment knob of fastgrpo, read in this one module (house style rule 9).
+
+All knobs carry the `FASTGRPO_` prefix. They are read at import time of the module that needs
+them through the accessors below, so a test can set them with monkeypatch before calling.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+def disable_ext() -> bool:
+    """FASTGRPO_DISABLE_EXT=1: ignore the compiled fastgrpo._C and use the Python twins."""
+    return _flag("FASTGRPO_DISABLE_EXT")
+
+
+def check_finite() -> bool:
+    """FASTGRPO_CHECK_FINITE=0 turns off the NaN/Inf check on logits (default on)."""
+    return _flag("FASTGRPO_CHECK_FINITE", True)
+
+
+def vocab_chunk() -> int:
+    """FASTGRPO_VOCAB_CHUNK: vocabulary chunk of the CPU streaming path (default 8192 columns)."""
+    return _int("FASTGRPO_VOCAB_CHUNK", 8192)
+
+
+def nvtx_enabled() -> bool:
+    """FASTGRPO_NVTX=1: emit NVTX ranges (also switched on by `fastgrpo --nvtx`)."""
+    return _flag("FASTGRPO_NVTX")
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET is Triton's own knob; read here so the rest of the code asks one place."""
+    return _flag("TRITON_INTERPRET")

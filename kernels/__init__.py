@@ -1,0 +1,1 @@
+"""fastgrpo.kernels: fused GRPO loss kernels (Triton), the CPU streaming path, and the oracle."""
