@@ -119,8 +119,18 @@ def grpo_loss_reference(logits: torch.Tensor, targets: torch.Tensor, advantages:
     seq_ids = seq_ids_from_cu(cu, logits.device)
     need_ent = return_entropy or config.entropy_coef != 0.0
     logp, entropy = token_logprobs_reference(logits, targets, config.temperature, need_ent)
+    # Off-mask positions may hold garbage (old/ref log-probs of 0 or −inf on prompt tokens, NaN
+    # weights): give them neutral values (ratio 1, KL 0, advantage and weight 0) so that a_t = 0
+    # there cannot meet an inf and make the loss or a gradient NaN.
+    on = mask != 0
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    advantages = torch.where(on, advantages.to(logp.dtype), zero)
     if old_logp is not None:
-        old_logp = old_logp.to(logp.dtype)
+        old_logp = torch.where(on, old_logp.to(logp.dtype), logp.detach())
+    if ref_logp is not None:
+        ref_logp = torch.where(on, ref_logp.to(logp.dtype), logp.detach())
+    if weights is not None:
+        weights = torch.where(on, weights.to(logp.dtype), zero)
     loss_t, ratio, kl = per_token_objective(logp, advantages, old_logp, ref_logp, weights, mask,
                                             seq_ids, num_seqs, config, entropy)
     agg = aggregation_weights(mask, seq_ids, num_seqs, config, num_items).to(loss_t.dtype)

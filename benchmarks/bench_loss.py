@@ -1,0 +1,144 @@
+"""Benchmark of the GRPO loss on CPU: fastgrpo's vocabulary-streaming torch path against the
+naive `log_softmax(logits.float())` path and TRL's `selective_log_softmax` path, forward +
+backward, with the same O(N) objective on top of each (fastgrpo.kernels.objective).
+
+Cases (per shape and dtype):
+  fastgrpo          grpo_loss(impl="torch"), gradient into a new buffer
+  fastgrpo-inplace  grpo_loss(impl="torch", inplace_backward=True): gradient written into the logits
+  naive             log_softmax(logits.float() / τ).gather(targets) under autograd
+  trl               trl.trainer.utils.selective_log_softmax on the [B, L, V] padded view (its CPU
+                    path loops over the B rows: logsumexp for fp32, log_softmax for bf16)
+
+Byte floor (comment per house style): the forward must read the logits once and the backward read
+them once and write the gradient once, 3·N·V·bytes; `floor_GBps` reports that traffic divided by
+the measured time (the CPU's copy bandwidth bounds it). Peak memory is the extra RSS of one
+fwd+bwd in a fresh subprocess (harness.peak_rss_subprocess), inputs excluded.
+
+  python -m benchmarks.bench_loss                          # default: a few minutes on 2 cores
+  python -m benchmarks.bench_loss --shapes 4096x151936:bf16,4096x151936:fp32,8192x32000:fp32
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.harness import Bench, peak_rss_subprocess, time_fn
+
+CASES = ("fastgrpo", "fastgrpo-inplace", "naive", "trl")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _inputs(n: int, v: int, dtype: str, seq_len: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * 2).to(DTYPES[dtype]).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    adv = torch.randn(n, generator=g)
+    old = torch.randn(n, generator=g) * 0.05 - v.bit_length()  # near log(1/V): ratios around 1
+    mask = torch.rand(n, generator=g) > 0.1
+    cu = torch.arange(0, n + 1, seq_len).clamp(max=n)
+    if int(cu[-1]) != n:
+        cu = torch.cat([cu, torch.tensor([n])])
+    return dict(logits=logits, targets=targets, adv=adv, old=old, mask=mask, cu=cu, seq_len=seq_len)
+
+
+def _objective(logp, p):
+    from fastgrpo.kernels.common import LossConfig
+    from fastgrpo.kernels.objective import objective_loss, prepare_objective
+
+    cfg = LossConfig(eps_high=0.28)
+    inp = prepare_objective(logp.shape[0], logp.device, logp.dtype, p["adv"], p["mask"], p["old"], None, None,
+                            p["cu"], cfg, None)
+    return objective_loss(logp, None, inp, cfg)[0]
+
+
+def step(case: str, p) -> float:
+    """One forward + backward of `case` on prepared inputs `p`; returns the loss value."""
+    logits, targets = p["logits"], p["targets"]
+    logits.grad = None
+    if case.startswith("fastgrpo"):
+        from fastgrpo.loss import LossConfig, grpo_loss
+
+        out = grpo_loss(logits, targets, p["adv"], mask=p["mask"], old_logp=p["old"], cu_seqlens=p["cu"],
+                        config=LossConfig(eps_high=0.28), impl="torch",
+                        inplace_backward=case == "fastgrpo-inplace")
+        loss = out.loss
+    elif case == "naive":
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        loss = _objective(logp, p)
+    elif case == "trl":
+        from trl.trainer.utils import selective_log_softmax
+
+        n, v = logits.shape
+        L = p["seq_len"]
+        pad = (-n) % L  # TRL works on a padded [B, L, V] batch
+        x = logits if pad == 0 else torch.cat([logits, logits.new_zeros(pad, v)])
+        y = targets if pad == 0 else torch.cat([targets, targets.new_zeros(pad)])
+        logp = selective_log_softmax(x.view(-1, L, v), y.view(-1, L)).reshape(-1)[:n].float()
+        loss = _objective(logp, p)
+    else:
+        raise ValueError(f"case={case!r}: expected one of {CASES}")
+    loss.backward()
+    return float(loss.detach())
+
+
+def measure(case: str, n: int, v: int, dtype: str, seq_len: int, threads: int, prepare: bool = False,
+            prepared=None):
+    """Entry point of harness.peak_rss_subprocess."""
+    torch.set_num_threads(threads)
+    if prepare:
+        # import every backend and run each case once on a tiny input, so that module imports and
+        # one-off allocator / thread-pool growth are not counted as the case's peak
+        import fastgrpo.loss  # noqa: F401
+        import trl.trainer.utils  # noqa: F401
+
+        step(case, _inputs(8, 64, dtype, 4))
+        return _inputs(n, v, dtype, seq_len)
+    return step(case, prepared)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1024x32000:fp32,1024x151936:bf16",
+                    help="comma list of NxV:dtype (dtype bf16|fp32)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--seq-len", type=int, default=512, help="sequence length of the padded TRL view")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
+    # 1 thread by default: on the shared 2-core dev box an oversubscribed OpenMP pool turns every
+    # parallel op's barrier into a wait on a descheduled thread (measured 50x swings at 2 threads)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bench = Bench("loss")
+    for spec in args.shapes.split(","):
+        nv, dtype = spec.split(":")
+        n, v = (int(s) for s in nv.lower().split("x"))
+        if dtype not in DTYPES:
+            raise ValueError(f"--shapes: dtype {dtype!r} in {spec!r}: expected one of {tuple(DTYPES)}")
+        shape = f"N={n},V={v},{dtype},{args.threads}thr"
+        p = _inputs(n, v, dtype, args.seq_len)
+        results = {}
+        for case in args.cases.split(","):
+            st = time_fn(lambda: step(case, p), repeats=args.repeats, warmup=1)
+            mem = None if args.no_memory else peak_rss_subprocess(
+                "benchmarks.bench_loss", "measure", dict(case=case, n=n, v=v, dtype=dtype, seq_len=args.seq_len,
+                                                       threads=args.threads))
+            results[case] = (st, mem)
+            print(f"{shape} {case}: {st.median_s * 1e3:.1f} ms, peak {mem} MiB", file=sys.stderr, flush=True)
+        base_t, base_m = results.get("trl", (None, None))
+        nbytes = 3 * n * v * p["logits"].element_size()
+        for case, (st, mem) in results.items():
+            extra = {"floor_GBps": nbytes / st.median_s / 1e9}
+            if base_t is not None:
+                extra["speedup_vs_trl"] = base_t.median_s / st.median_s
+                if mem is not None and base_m:
+                    extra["mem_vs_trl"] = mem / base_m
+            bench.add(case=case, shape=shape, stats=st, peak_mb=mem, extra=extra)
+        del p
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()

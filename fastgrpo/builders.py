@@ -1,0 +1,205 @@
+"""Builders that turn config sections into objects (model, task, optimizer + schedule, rollout
+engine, curriculum) and the reward runner. Kept out of trainer.py so that the trainer only orders
+phases; the SFT cold start, evaluation and the CLI share the same builders.
+
+Schedules follow the usual linear-warmup + {constant, linear, cosine} decay to `min_lr_ratio`
+(HF `get_cosine_schedule_with_warmup` semantics, with a floor). The reward runner calls each
+reward function once on the whole rollout batch (verifiers amortise their start-up); only when
+that call raises does it re-run the function per prompt, so that the failing prompt's id is
+reported and only that group is scored as configured.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .config import DataConfig, ModelConfig, OptimizerConfig, RewardsConfig, RolloutConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(mcfg: ModelConfig):
+    """(model, tokenizer): the tiny char-level model, a HF directory, or a fastgrpo checkpoint /
+    run folder (its latest checkpoint's `model/`)."""
+    dtype = _DTYPES[mcfg.dtype]
+    if mcfg.path == "tiny":
+        from .demo.tiny import build_tiny_model
+
+        model, tok = build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, hidden_size=mcfg.hidden_size,
+                                      num_hidden_layers=mcfg.num_hidden_layers,
+                                      intermediate_size=mcfg.intermediate_size,
+                                      num_attention_heads=mcfg.num_attention_heads,
+                                      num_key_value_heads=1, head_dim=mcfg.hidden_size // mcfg.num_attention_heads)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model_dir(mcfg.path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+    if mcfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, tok
+
+
+def resolve_model_dir(path: str) -> str:
+    """A HF model dir as is; a checkpoint dir → its model/; a run folder → its latest checkpoint."""
+    from .checkpoint import latest_checkpoint
+
+    if os.path.isdir(os.path.join(path, "model")):
+        return os.path.join(path, "model")
+    latest = latest_checkpoint(path) if os.path.isdir(path) else None
+    if latest is not None:
+        return os.path.join(latest, "model")
+    if os.path.isdir(os.path.join(path, "sft", "model")):
+        return os.path.join(path, "sft", "model")
+    if not os.path.exists(path) and not path.count("/") == 1:
+        raise ValueError(f"model.path={path!r}: expected 'tiny', a HF model directory or id, or a fastgrpo run / checkpoint folder")
+    return path
+
+
+def build_task(dcfg: DataConfig):
+    if dcfg.task == "arithmetic":
+        from .demo.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
+    from .demo.jsonl_task import JsonlTask
+
+    return JsonlTask(dcfg.path, dcfg.eval_path)
+
+
+def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, weight_decay=ocfg.weight_decay)
+    warm, floor, total = ocfg.warmup_steps, ocfg.min_lr_ratio, max(total_steps, 1)
+
+    def factor(i: int) -> float:
+        if warm and i < warm:
+            return (i + 1) / warm
+        frac = min(max(i - warm, 0) / max(total - warm, 1), 1.0)
+        if ocfg.schedule == "linear":
+            return floor + (1 - floor) * (1 - frac)
+        if ocfg.schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer):
+    """engine=torch: the built-in engine sampling from the trainer's own module (no weight copy);
+    vllm: a colocated vLLM engine loaded from a snapshot of the model; auto: vLLM when installed."""
+    kind = rcfg.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "torch"
+    if kind == "torch":
+        from .rollout.torch_engine import TorchEngine
+
+        return TorchEngine(model, tokenizer, max_batch_size=256)
+    from .rollout import make_engine
+
+    # max_num_seqs: one rollout batch (G·prompts sequences) in one scheduler pass
+    n = max(rcfg.group_size * rcfg.prompts_per_step, 64)
+    return make_engine("vllm", model, tokenizer, gpu_memory_utilization=rcfg.gpu_memory_utilization,
+                       max_model_len=512, max_num_seqs=n)
+
+
+def sampling_config(rcfg: RolloutConfig, temperature=None, seed=None):
+    from .rollout.base import SamplingConfig
+
+    return SamplingConfig(temperature=rcfg.temperature if temperature is None else temperature, top_p=rcfg.top_p,
+                          top_k=0 if rcfg.top_k == -1 else rcfg.top_k, max_new_tokens=rcfg.max_new_tokens, seed=seed)
+
+
+class ProblemSampler:
+    """The trainer's view of `fastgrpo.curriculum.Curriculum`: problems instead of ids, and its
+    own numpy Generator whose state is checkpointed (the Curriculum draws fresh entropy when no
+    generator is passed, which would break exact resume)."""
+
+    def __init__(self, problems: Sequence, curriculum, seed: int):
+        self.by_id = {p.id: p for p in problems}
+        self.curriculum = curriculum
+        self.rng = np.random.default_rng(seed)
+
+    def sample(self, n: int) -> List:
+        return [self.by_id[i] for i in self.curriculum.sample(n, self.rng)]
+
+    def update(self, ids: Sequence, rewards: Sequence[float]) -> None:
+        self.curriculum.update(list(ids), list(rewards))
+
+    def metrics(self) -> Dict[str, float]:
+        return self.curriculum.histogram()
+
+    def state_dict(self) -> Dict:
+        return {"curriculum": self.curriculum.state_dict(), "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.curriculum.load_state_dict(state["curriculum"])
+        self.rng.bit_generator.state = state["rng"]
+
+
+def build_curriculum(cfg, task) -> ProblemSampler:
+    """Difficulty filter: prompts whose tracked pass rate exceeds algorithm.max_pass_rate retire;
+    the rest are drawn ∝ (1 − pass rate) (algorithm.weighting=inverse_pass) or uniformly."""
+    from .curriculum import Curriculum
+
+    a = cfg.algorithm
+    cur = Curriculum([p.id for p in task.train], weighting=a.weighting,
+                     prune_above=a.max_pass_rate if a.max_pass_rate < 1 else None, min_attempts=a.min_attempts)
+    return ProblemSampler(task.train, cur, cfg.seed)
+
+
+def _as_scores(vals, n: int, name: str, error_score: float) -> List[float]:
+    vals = list(vals)
+    if len(vals) != n:
+        raise ValueError(f"reward {name!r} returned {len(vals)} scores for {n} completions")
+    out = [error_score if v is None else float(v) for v in vals]
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"reward {name!r} returned a non-finite score")
+    return out
+
+
+def score_groups(problems: Sequence, groups: Sequence, fns: Dict[str, Callable], rcfg: RewardsConfig
+                 ) -> Tuple[Dict[str, np.ndarray], set, List[str]]:
+    """Scores [B, G] per reward function, indices of groups to drop, error messages.
+
+    A function that raises on the batch is re-run prompt by prompt: the prompts it raises on
+    are reported by id and scored `error_score` (on_error=zero) or dropped (on_error=drop).
+    None from a verifier (unverifiable) counts as `error_score`.
+    """
+    B = len(problems)
+    G = len(groups[0]) if B else 0
+    texts = [c.text for g in groups for c in g]
+    answers = [p.answer for p in problems for _ in range(G)]
+    per_fn: Dict[str, np.ndarray] = {}
+    dropped: set = set()
+    errors: List[str] = []
+    for name in rcfg.functions:
+        fn = fns[name]
+        try:
+            per_fn[name] = np.asarray(_as_scores(fn(texts, answers), B * G, name, rcfg.error_score)).reshape(B, G)
+            continue
+        except Exception:
+            pass
+        scores = np.full((B, G), rcfg.error_score, dtype=np.float64)
+        for i, p in enumerate(problems):
+            try:
+                scores[i] = _as_scores(fn(texts[i * G:(i + 1) * G], answers[i * G:(i + 1) * G]), G, name,
+                                       rcfg.error_score)
+            except Exception as e:  # reported, never fatal: one bad verifier call must not kill a run
+                errors.append(f"reward {name!r} raised on prompt id {p.id}: {type(e).__name__}: {e}")
+                if rcfg.on_error == "drop":
+                    dropped.add(i)
+        per_fn[name] = scores
+    return per_fn, dropped, errors

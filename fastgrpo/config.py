@@ -1,0 +1,373 @@
+"""Run configuration: one dataclass per concern, loaded from YAML with `--set a.b=value` overrides.
+
+Follows the house style (shared/DESIGN.md rule 5): every field carries an inline comment, YAML
+maps onto the dataclasses one key per field, and an unknown key or an invalid value fails at load
+time with the dotted field name (`algorithm.eps_low=-1: expected ...`). The defaults are the
+embedded demo (`fastgrpo train` with no arguments): a tiny Qwen2-style model learning the built-in
+arithmetic task on a 2-core CPU. `AlgorithmConfig.loss_config()` maps the loss fields onto the
+kernels' `LossConfig`, which validates them once more.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"  # "tiny" builds the char tokenizer + tiny model below; else a HF path / run checkpoint dir
+    arch: str = "qwen2"  # tiny model family: qwen2 or llama
+    hidden_size: int = 64  # tiny model width (64 keeps a CPU step well under a second)
+    num_hidden_layers: int = 2  # tiny model depth
+    intermediate_size: int = 128  # tiny model MLP width
+    num_attention_heads: int = 2  # tiny model heads (head_dim 32: vLLM's CPU attention needs ≥ 32)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (training dtype of the parameters)
+    seed: int = 0  # initialisation seed of the tiny model
+    gradient_checkpointing: bool = False  # recompute activations in backward (memory for time)
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"  # "arithmetic" (built-in, held-out split) or "jsonl" (rows with prompt/answer)
+    path: Optional[str] = None  # train jsonl when task=jsonl
+    eval_path: Optional[str] = None  # held-out jsonl when task=jsonl
+    max_operand: int = 50  # arithmetic: operands drawn from [0, max_operand)
+    num_heldout: int = 200  # arithmetic: problems kept out of training for eval/accuracy
+    seed: int = 0  # split / shuffling seed
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"  # auto | vllm | torch; torch is the CPU default (faster than vLLM at tiny sizes)
+    group_size: int = 8  # G: completions per prompt
+    prompts_per_step: int = 16  # prompts per rollout batch (G·prompts sequences)
+    temperature: float = 1.0  # sampling temperature; also the loss temperature τ
+    top_p: float = 1.0  # nucleus sampling (1 = off, keeps the sampling distribution = the policy)
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_new_tokens: int = 24  # completion length cap; longer completions count as truncated
+    gpu_memory_utilization: float = 0.3  # vLLM: fraction of accelerator memory for weights + KV cache
+    sleep_between_steps: bool = False  # vLLM: release KV cache during the update (colocated engine)
+
+
+@dataclass
+class RewardsConfig:
+    functions: List[str] = field(default_factory=lambda: ["accuracy", "format"])  # accuracy | format | length
+    weights: List[float] = field(default_factory=lambda: [1.0, 0.1])  # weight of each function in the total
+    on_error: str = "zero"  # a reward fn that raises: "zero" scores error_score, "drop" drops the group
+    error_score: float = 0.0  # score given to a completion whose reward fn raised (on_error=zero)
+    num_workers: int = 0  # verifier process-pool size (0: in-process, fastest for the tiny task)
+    timeout_s: float = 5.0  # per-completion verifier timeout when num_workers > 0
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "grpo"  # advantage estimator: grpo | dr_grpo | rloo | kimi (fastgrpo.advantages)
+    adv_std: str = "group"  # advantage scaling: group | batch | none
+    drop_zero_std: bool = True  # skip groups whose rewards are all equal (they carry no gradient)
+    dynamic_sampling: bool = False  # DAPO: resample prompts until the batch has no zero-σ group
+    inner_steps: int = 1  # K: updates per rollout batch reusing the stored old log-probs
+    eps_low: float = 0.2  # lower clip: ratio clipped at 1 − eps_low
+    eps_high: float = 0.28  # upper clip (DAPO clip-higher)
+    dual_clip_c: Optional[float] = None  # dual clip for A < 0 (e.g. 3.0); None = off
+    delta: Optional[float] = None  # δ cap on the unclipped ratio; None = off
+    beta: float = 0.0  # KL-to-reference weight; 0 → no reference model is built
+    kl: str = "k3"  # KL estimator: k1 | k2 | k3
+    entropy_coef: float = 0.0  # α: entropy bonus
+    ratio_level: str = "token"  # token (GRPO) | sequence (GSPO)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    max_pass_rate: float = 0.9  # difficulty filter: retire prompts whose tracked pass rate exceeds this (1 = never)
+    min_attempts: int = 8  # samples of a prompt before it can be retired (one lucky group must not)
+    weighting: str = "inverse_pass"  # prompt sampling: inverse_pass (∝ 1 − pass rate, Qwen3) | uniform
+    loss_impl: str = "auto"  # loss backend: auto | reference | torch | triton
+
+    def loss_config(self, temperature: float, max_len: Optional[int] = None):
+        """The kernels' LossConfig for these fields (it validates them once more)."""
+        from fastgrpo.kernels.common import LossConfig
+
+        return LossConfig(temperature=temperature, eps_low=self.eps_low, eps_high=self.eps_high,
+                          dual_clip_c=self.dual_clip_c, delta=self.delta, beta=self.beta, kl=self.kl,
+                          entropy_coef=self.entropy_coef, ratio_level=self.ratio_level,
+                          loss_agg=self.loss_agg,
+                          max_len=max_len if self.loss_agg == "seq-mean-token-sum-norm" else None)
+
+
+@dataclass
+class PackingConfig:
+    max_tokens: int = 4096  # token budget of one packed micro-batch (prompt + completion tokens)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5e-4  # AdamW peak learning rate of GRPO (measured on the demo: 2e-4 learns slower, 2e-3 collapses)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW β1, β2
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    eps: float = 1e-8  # AdamW ε
+    max_grad_norm: float = 1.0  # global gradient-norm clip (0 = off)
+    schedule: str = "constant"  # constant | linear | cosine (decay to min_lr_ratio·lr over the run)
+    warmup_steps: int = 0  # linear warmup from 0 over this many optimizer steps
+    min_lr_ratio: float = 0.0  # final lr / peak lr of linear and cosine schedules
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 300  # SFT cold-start optimizer steps (short on purpose: RL needs headroom)
+    batch_size: int = 64  # sequences per SFT step
+    lr: float = 3e-3  # SFT learning rate (AdamW, constant)
+    noise: float = 0.0  # fraction of SFT traces whose answer is corrupted (noisy cold start)
+    max_grad_norm: float = 1.0  # gradient clip of SFT (0 = off)
+
+
+@dataclass
+class EvalConfig:
+    num_samples: int = 1  # samples per held-out prompt (k of pass@k; 1 = greedy accuracy)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (needed for pass@k with k > 1)
+    max_problems: int = 200  # cap on held-out problems evaluated
+    every: int = 0  # eval every N GRPO steps (0 = only before and after)
+
+
+@dataclass
+class SyncConfig:
+    every: int = 1  # push trainer weights to the rollout engine every N steps
+    method: str = "auto"  # auto | ipc | shm | state_dict (how weights reach the engine)
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: str = "runs/default"  # run folder: metrics.jsonl, events, plots, checkpoints
+    log_every: int = 1  # write metrics every N steps
+    tensorboard: bool = True  # TensorBoard events when tensorboard is importable
+    plots: bool = True  # PNG plots (reward, accuracy, length, KL) at the end of the run
+    progress: bool = True  # progress bar with live reward and throughput
+    nvtx: bool = False  # NVTX ranges per phase (also FASTGRPO_NVTX=1 / --nvtx)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # checkpoint every N steps (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept (the newest complete one is never deleted)
+    resume: str = "auto"  # auto (latest in out_dir) | none | a checkpoint directory
+    at_end: bool = True  # write a checkpoint when the run ends
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "none"  # none | deepspeed | ddp
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3
+    rank: int = 0  # this process's rank (filled from the launcher's environment)
+    world_size: int = 1  # number of training processes
+    local_rank: int = 0  # device index on this node
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # GRPO steps (rollout batches)
+    seed: int = 0  # global seed (python, numpy, torch, sampling)
+    max_nan_skips: int = 5  # stop after this many skipped NaN/Inf steps
+    sft_first: bool = True  # run the SFT cold start before GRPO (no-arg demo)
+    threads: int = 0  # torch CPU threads (0 = leave torch's default)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# value checks: (field path, predicate, expected form)
+# ---------------------------------------------------------------------------------------------
+
+def _choice(*opts):
+    return (lambda v: v in opts), f"one of {list(opts)}"
+
+
+_POS = (lambda v: v > 0), "a number > 0"
+_NONNEG = (lambda v: v >= 0), "a number >= 0"
+_PROB = (lambda v: 0 <= v <= 1), "a number in [0, 1]"
+_POS_INT = (lambda v: v >= 1), "an integer >= 1"
+
+_CHECKS = {
+    "steps": _NONNEG, "max_nan_skips": _POS_INT, "threads": _NONNEG,
+    "model.arch": _choice("qwen2", "llama"), "model.dtype": _choice("float32", "bfloat16", "float16"),
+    "model.hidden_size": _POS_INT, "model.num_hidden_layers": _POS_INT,
+    "model.intermediate_size": _POS_INT, "model.num_attention_heads": _POS_INT,
+    "data.task": _choice("arithmetic", "jsonl"), "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"),
+    "data.num_heldout": _NONNEG,
+    "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
+    "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
+    "rollout.top_k": ((lambda v: v == -1 or v >= 1), "-1 (off) or an integer >= 1"),
+    "rollout.max_new_tokens": _POS_INT, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
+    "rewards.on_error": _choice("zero", "drop"), "rewards.num_workers": _NONNEG, "rewards.timeout_s": _POS,
+    "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
+    "algorithm.inner_steps": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
+    "algorithm.weighting": _choice("inverse_pass", "uniform"),
+    "algorithm.loss_impl": _choice("auto", "reference", "torch", "triton"),
+    "packing.max_tokens": _POS_INT,
+    "optimizer.lr": _POS, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS, "optimizer.max_grad_norm": _NONNEG,
+    "optimizer.schedule": _choice("constant", "linear", "cosine"), "optimizer.warmup_steps": _NONNEG,
+    "optimizer.min_lr_ratio": _PROB,
+    "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
+    "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
+    "sync.every": _POS_INT, "sync.method": _choice("auto", "ipc", "shm", "state_dict"),
+    "logging.log_every": _POS_INT,
+    "checkpoint.every": _NONNEG, "checkpoint.keep_last": _POS_INT,
+    "distributed.backend": _choice("none", "deepspeed", "ddp"), "distributed.zero_stage": _choice(0, 1, 2, 3),
+    "distributed.rank": _NONNEG, "distributed.world_size": _POS_INT, "distributed.local_rank": _NONNEG,
+}
+
+
+def _bad(path: str, value, want: str):
+    raise ValueError(f"config {path}={value!r}: expected {want}")
+
+
+def _coerce(path: str, value, tp):
+    """Check `value` against the annotated type `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(path, value, args[0])
+    if origin in (list, List, Sequence):
+        (item,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            _bad(path, value, f"a list of {getattr(item, '__name__', item)}")
+        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            _bad(path, value, "true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _bad(path, value, "an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _bad(path, value, "a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _bad(path, value, "a string")
+        return value
+    return value
+
+
+def _from_dict(cls, data: Dict[str, Any], prefix: str = ""):
+    if not isinstance(data, dict):
+        _bad(prefix.rstrip(".") or "<root>", data, f"a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ValueError(f"config {prefix}{unknown[0]}: unknown field; {cls.__name__} has {sorted(names)}")
+    kwargs = {}
+    for k, v in data.items():
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _from_dict(tp, v, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _coerce(f"{prefix}{k}", v, tp)
+    return cls(**kwargs)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Range / choice checks of every field (types were checked while loading)."""
+    flat = to_dict(cfg)
+    for path, (ok, want) in _CHECKS.items():
+        value = flat
+        for part in path.split("."):
+            value = value[part]
+        if not ok(value):
+            _bad(path, value, want)
+    if len(cfg.rewards.functions) != len(cfg.rewards.weights):
+        _bad("rewards.weights", cfg.rewards.weights, f"{len(cfg.rewards.functions)} weights, one per rewards.functions entry")
+    for i, name in enumerate(cfg.rewards.functions):
+        if name not in ("accuracy", "format", "length"):
+            _bad(f"rewards.functions[{i}]", name, "one of ['accuracy', 'format', 'length']")
+    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
+    if cfg.data.task == "jsonl" and not cfg.data.path:
+        _bad("data.path", cfg.data.path, "a jsonl file when data.task=jsonl")
+    if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0:
+        _bad("eval.temperature", cfg.eval.temperature, "> 0 when eval.num_samples > 1 (pass@k needs sampling)")
+    if cfg.distributed.rank >= cfg.distributed.world_size:
+        _bad("distributed.rank", cfg.distributed.rank, f"< distributed.world_size={cfg.distributed.world_size}")
+    try:
+        cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+    except ValueError as e:  # LossConfig names its own field; name it as the config's field
+        raise ValueError(f"config {str(e).replace('LossConfig.', 'algorithm.')}") from None
+    return cfg
+
+
+def to_dict(cfg) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(item: str):
+    """`a.b=value` → (["a", "b"], value parsed as YAML: 3 → int, 1e-3 → float, [1, 2] → list)."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected the form section.field=value, e.g. optimizer.lr=1e-3")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"--set {item!r}: empty field name before '='")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    # YAML 1.1 reads "1e-3" as a string (no dot); accept it as the float a user means
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in "eE.") and value.lower() not in ("none", "null") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    for item in overrides or ():
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"--set {item!r}: {k} is a value, not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """Defaults ← `base` dict ← YAML file at `path` ← `--set` overrides; then validate."""
+    data: Dict[str, Any] = {}
+    if base:
+        data = _merge(data, base)
+    if path:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path}: expected a YAML mapping of sections, got {type(loaded).__name__}")
+        data = _merge(data, loaded)
+    data = apply_overrides(data, overrides)
+    return validate(_from_dict(TrainConfig, data))
+
+
+def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def dump_config(cfg: TrainConfig, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

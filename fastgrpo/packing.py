@@ -1,0 +1,502 @@
+"""Sequence packing: token-budget micro-batches, balanced partitions, and the packed layout.
+
+Algorithms (each in C++ in csrc/packing.cpp with a pure-Python twin here making the same
+decisions in the same order, so both backends return identical results):
+
+- `pack_sequences`: first-fit-decreasing bin packing (Johnson 1973) of sequence lengths into
+  bins of `max_tokens`; the first bin with room is found with a max segment tree over remaining
+  capacities, O(n log n). FFD uses at most 11/9·OPT + 6/9 bins.
+- `balance_partitions`: Karmarkar–Karp largest differencing method, k-way (Korf 2009), with an
+  equal-size variant in the spirit of verl's `seqlen_balancing` (departure: sizes may differ by
+  one instead of requiring n % k == 0). The final max − min load never exceeds the largest
+  single workload, since merging a descending with an ascending partial solution never widens
+  the spread beyond the wider of the two.
+- `build_cu_seqlens` / `build_position_ids`: the varlen-attention layout (flash-attn
+  `cu_seqlens`, positions restarting at 0 for each sequence).
+
+`PackedBatch` / `build_packed_batches` / `unpack` turn rollouts (prompt ids, completion ids,
+per-sequence advantages, optional per-token log-probs) into micro-batches; see
+`build_packed_batches` for the log-prob position convention. The pure-Python twins of the C++
+algorithms live in `fastgrpo/_packing_py.py`; the `_py` / `_c` functions here pick a backend
+explicitly (same input checks), the unsuffixed ones take C++ when it is built.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, fields, replace
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import _cext
+from ._packing_py import (
+    balance_kk_py,
+    cu_seqlens_py,
+    pack_ffd_py,
+    position_ids_py,
+)
+
+__all__ = [
+    "pack_sequences", "pack_sequences_py", "pack_sequences_c",
+    "balance_partitions", "balance_partitions_py", "balance_partitions_c", "partition_loads",
+    "build_cu_seqlens", "build_cu_seqlens_py", "build_cu_seqlens_c",
+    "build_position_ids", "build_position_ids_py", "build_position_ids_c",
+    "PackedBatch", "build_packed_batches", "unpack",
+]
+
+# Default `a` of the attention workload a·L + L²: per token, the dense layers of a transformer cost
+# ~24·d² FLOPs and attention ~4·d·L, so cost ∝ 6·d·L + L²; 6·4096 fits a 7B-class model (d = 4096).
+DEFAULT_ATTN_COEF = 6 * 4096
+
+
+# input checks
+
+def _as_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """Validate a 1-D collection of non-negative integers; return it as int64 numpy."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.detach().cpu().numpy()
+    if isinstance(lengths, np.ndarray):
+        if lengths.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D sequence of integers, got shape {lengths.shape}")
+        if lengths.size and not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"{name}: expected integer lengths, got dtype {lengths.dtype}")
+        arr = lengths.astype(np.int64, copy=False)
+    else:
+        try:
+            # operator.index rejects floats (3.0 included) and strings: lengths are token counts.
+            arr = np.fromiter((operator.index(x) for x in lengths), dtype=np.int64)
+        except TypeError:
+            bad = next((x for x in lengths if not _is_int(x)), None)
+            raise ValueError(f"{name}: expected non-negative integers, got {bad!r}") from None
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"{name}[{i}] = {int(arr[i])}: expected a non-negative integer")
+    return np.ascontiguousarray(arr)
+
+
+def _is_int(x) -> bool:
+    try:
+        operator.index(x)
+        return not isinstance(x, bool)
+    except TypeError:
+        return False
+
+
+def _check_budget(max_tokens) -> int:
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
+    return int(max_tokens)
+
+
+def _check_oversize(arr: np.ndarray, max_tokens: int, allow_oversize: bool) -> None:
+    if allow_oversize or arr.size == 0:
+        return
+    over = np.nonzero(arr > max_tokens)[0]
+    if over.size:
+        i = int(over[0])
+        raise ValueError(f"sequence {i} has length {int(arr[i])} > max_tokens={max_tokens} "
+                         f"({over.size} over budget); raise the budget or pass allow_oversize=True "
+                         "to give each its own bin")
+
+
+def _backend_c():
+    if _cext.C is None:
+        raise ValueError("the C++ extension fastgrpo._C is not available (not built, or "
+                         "FASTGRPO_DISABLE_EXT=1); use the _py variant")
+    return _cext.C
+
+
+# first-fit-decreasing packing
+
+def pack_sequences_py(lengths, max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+    """Pure-Python `pack_sequences` (same bins, same order as the C++ one)."""
+    arr = _as_lengths(lengths)
+    budget = _check_budget(max_tokens)
+    _check_oversize(arr, budget, allow_oversize)
+    return pack_ffd_py(arr.tolist(), budget)  # oversize ones were checked above
+
+
+def pack_sequences_c(lengths, max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+    """C++ `pack_sequences` (fastgrpo._C.pack_ffd)."""
+    C = _backend_c()
+    arr = _as_lengths(lengths)
+    budget = _check_budget(max_tokens)
+    _check_oversize(arr, budget, allow_oversize)
+    return C.pack_ffd(arr, budget, allow_oversize)
+
+
+def pack_sequences(lengths, max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+    """First-fit-decreasing packing of `lengths` into bins holding at most `max_tokens` tokens.
+
+    Returns the sequence indices of each bin (bins in opening order, indices in placement order:
+    longest first, ties by index). A sequence longer than `max_tokens` raises ValueError naming
+    it, or gets a bin of its own when `allow_oversize=True`. Empty input gives `[]`.
+    Uses the C++ extension when built, else the Python twin.
+    """
+    if _cext.C is not None:
+        return pack_sequences_c(lengths, max_tokens, allow_oversize)
+    return pack_sequences_py(lengths, max_tokens, allow_oversize)
+
+
+# Karmarkar–Karp balancing
+
+Workload = Union[str, Callable[[int], float]]
+
+
+def _workloads(arr: np.ndarray, workload: Workload, attn_coef: float) -> np.ndarray:
+    if callable(workload):
+        w = np.fromiter((float(workload(int(x))) for x in arr), dtype=np.float64, count=arr.size)
+    elif workload == "tokens":
+        w = arr.astype(np.float64)
+    elif workload == "attention":
+        if not (isinstance(attn_coef, (int, float)) and math.isfinite(attn_coef) and attn_coef >= 0):
+            raise ValueError(f"attn_coef={attn_coef!r}: expected a finite number >= 0")
+        L = arr.astype(np.float64)
+        w = float(attn_coef) * L + L * L
+    else:
+        raise ValueError(f"workload={workload!r}: expected 'tokens', 'attention' or a callable length -> cost")
+    if w.size and not (np.isfinite(w).all() and (w >= 0).all()):
+        i = int(np.nonzero(~(np.isfinite(w) & (w >= 0)))[0][0])
+        raise ValueError(f"workload of sequence {i} (length {int(arr[i])}) is {w[i]!r}: expected finite and >= 0")
+    return np.ascontiguousarray(w)
+
+
+def _check_k(k) -> int:
+    if not _is_int(k) or k < 1:
+        raise ValueError(f"k={k!r}: expected an integer >= 1 (number of partitions)")
+    return int(k)
+
+
+def balance_partitions_py(lengths, k: int, equal_size: bool = False, workload: Workload = "tokens",
+                          attn_coef: float = DEFAULT_ATTN_COEF) -> List[List[int]]:
+    """Pure-Python `balance_partitions` (identical result to the C++ one)."""
+    arr = _as_lengths(lengths)
+    k = _check_k(k)
+    if arr.size == 0:
+        return []
+    return balance_kk_py(_workloads(arr, workload, attn_coef).tolist(), k, bool(equal_size))
+
+
+def balance_partitions_c(lengths, k: int, equal_size: bool = False, workload: Workload = "tokens",
+                         attn_coef: float = DEFAULT_ATTN_COEF) -> List[List[int]]:
+    """C++ `balance_partitions` (fastgrpo._C.balance_kk)."""
+    C = _backend_c()
+    arr = _as_lengths(lengths)
+    k = _check_k(k)
+    if arr.size == 0:
+        return []
+    return C.balance_kk(_workloads(arr, workload, attn_coef), k, bool(equal_size))
+
+
+def balance_partitions(lengths, k: int, equal_size: bool = False, workload: Workload = "tokens",
+                       attn_coef: float = DEFAULT_ATTN_COEF) -> List[List[int]]:
+    """Split sequence indices into `k` partitions of near-equal total workload (Karmarkar–Karp).
+
+    `workload`: "tokens" (cost = L), "attention" (cost = attn_coef·L + L², the dense-layer plus
+    quadratic attention cost; attn_coef ≈ 6·hidden_size) or a callable `length -> cost`.
+    `equal_size=True` also makes the partition sizes differ by at most one (e.g. the same number
+    of sequences per data-parallel rank). Returns k lists of sorted indices (some may be empty
+    when there are fewer sequences than k); empty input gives `[]`.
+    """
+    if _cext.C is not None:
+        return balance_partitions_c(lengths, k, equal_size, workload, attn_coef)
+    return balance_partitions_py(lengths, k, equal_size, workload, attn_coef)
+
+
+def partition_loads(lengths, partitions: Sequence[Sequence[int]], workload: Workload = "tokens",
+                    attn_coef: float = DEFAULT_ATTN_COEF) -> List[float]:
+    """Total workload of each partition (for balance metrics such as max/mean)."""
+    w = _workloads(_as_lengths(lengths), workload, attn_coef)
+    return [float(w[list(p)].sum()) if len(p) else 0.0 for p in partitions]
+
+
+# varlen layout builders
+
+def build_cu_seqlens_py(lengths) -> torch.Tensor:
+    """Pure-Python `build_cu_seqlens`."""
+    return torch.from_numpy(cu_seqlens_py(_as_lengths(lengths)))
+
+
+def build_cu_seqlens_c(lengths) -> torch.Tensor:
+    """C++ `build_cu_seqlens`."""
+    return torch.from_numpy(_backend_c().cu_seqlens(_as_lengths(lengths)))
+
+
+def build_cu_seqlens(lengths) -> torch.Tensor:
+    """int32 `[n + 1]` prefix sums `[0, L0, L0+L1, …]` (flash-attn varlen `cu_seqlens`)."""
+    return build_cu_seqlens_c(lengths) if _cext.C is not None else build_cu_seqlens_py(lengths)
+
+
+def build_position_ids_py(lengths) -> torch.Tensor:
+    """Pure-Python `build_position_ids`."""
+    return torch.from_numpy(position_ids_py(_as_lengths(lengths)))
+
+
+def build_position_ids_c(lengths) -> torch.Tensor:
+    """C++ `build_position_ids`."""
+    return torch.from_numpy(_backend_c().position_ids(_as_lengths(lengths)))
+
+
+def build_position_ids(lengths) -> torch.Tensor:
+    """int64 `[sum(lengths)]` positions `0..L-1` restarting at each sequence."""
+    return build_position_ids_c(lengths) if _cext.C is not None else build_position_ids_py(lengths)
+
+
+# packed micro-batches
+
+@dataclass
+class PackedBatch:
+    """One token-budget micro-batch of S packed sequences (prompt + completion each).
+
+    Two index spaces (T = packed tokens, N = completion tokens, S = sequences):
+
+    Token space, the model input `[T]`:
+      input_ids      int64  prompt_0 ‖ completion_0 ‖ prompt_1 ‖ completion_1 ‖ …
+      position_ids   int64  0..L_s-1 restarting at each sequence (L_s = P_s + C_s)
+      cu_seqlens     int32  [S+1] sequence offsets in token space (flash-attn varlen)
+      max_seqlen     int    max L_s
+      mask           bool   True on completion tokens
+
+    Completion space, the loss input `[N]` (the loss contract of DESIGN.md, ready to pass to
+    `grpo_loss` / `fused_linear_grpo_loss` with `cu_seqlens=loss_cu_seqlens`):
+      logit_index    int64  token-space position t whose logit predicts completion token n;
+                            the logit at t predicts token t+1, so logit_index = (position of
+                            the completion token) − 1. Sequence s contributes positions
+                            cu_seqlens[s] + P_s − 1 … cu_seqlens[s] + L_s − 2; the last token
+                            of each sequence predicts nothing needed.
+      targets        int64  the completion tokens (= input_ids[logit_index + 1])
+      advantages     f32    per token (a per-sequence advantage broadcast over its completion)
+      old_logp, ref_logp, weights   f32 or None
+      loss_mask      f32    1 where the token counts in the loss (all ones unless a
+                            completion_mask was given, e.g. to drop truncated completions)
+      loss_cu_seqlens int32 [S+1] sequence offsets in completion space
+
+    Map back: `seq_index[s]` is the rollout index (position in the inputs to
+    `build_packed_batches`) of packed sequence s; `ids[s]` its (prompt id, sample id).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    mask: torch.Tensor
+    logit_index: torch.Tensor
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    loss_cu_seqlens: torch.Tensor
+    prompt_lens: torch.Tensor
+    completion_lens: torch.Tensor
+    seq_index: torch.Tensor
+    ids: List[Tuple[int, int]]
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        """T: tokens fed to the model."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """N: completion tokens (rows of the loss); sum over micro-batches for a global token-mean."""
+        return int(self.targets.numel())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Completion tokens with loss_mask 1 (the token-mean denominator contribution)."""
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_index.numel())
+
+    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+        """Copy of the batch with every tensor on `device` (max_seqlen and ids stay host-side)."""
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                moved[f.name] = v.to(device, non_blocking=non_blocking)
+        return replace(self, **moved)
+
+
+# The builders below work in numpy: single-threaded and allocation-light, so building
+# micro-batches stays fast on an oversubscribed CPU (torch's intra-op threads can slow small
+# index ops 10x there); tensors are made once per field with torch.from_numpy.
+
+def _host_array(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _as_ids(x, name: str, i: int) -> np.ndarray:
+    t = _host_array(x)
+    if t.ndim != 1 or (t.size and not np.issubdtype(t.dtype, np.integer)):
+        raise ValueError(f"{name}[{i}]: expected a 1-D list/tensor of integer token ids, got "
+                         f"dtype {t.dtype}, shape {tuple(t.shape)}")
+    return t.astype(np.int64, copy=False)
+
+
+def _per_token(values, name: str, comp_lens: List[int], allow_scalar: bool) -> Optional[List[np.ndarray]]:
+    """Per-sequence values → list of float32 [C_s] arrays (a scalar broadcasts when allowed)."""
+    if values is None:
+        return None
+    if len(values) != len(comp_lens):
+        raise ValueError(f"{name}: expected {len(comp_lens)} entries (one per sequence), got {len(values)}")
+    out = []
+    for i, (v, c) in enumerate(zip(values, comp_lens)):
+        t = _host_array(v).astype(np.float32, copy=False)
+        if t.ndim == 0 and allow_scalar:
+            t = np.full(c, t, dtype=np.float32)
+        elif t.ndim != 1 or t.size != c:
+            want = "a float or " if allow_scalar else ""
+            raise ValueError(f"{name}[{i}]: expected {want}{c} per-token values (one per completion "
+                             f"token), got shape {tuple(t.shape)}")
+        out.append(t)
+    return out
+
+
+def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advantages: Sequence,
+                         token_budget: int, *, old_logp: Optional[Sequence] = None,
+                         ref_logp: Optional[Sequence] = None, weights: Optional[Sequence] = None,
+                         completion_mask: Optional[Sequence] = None,
+                         ids: Optional[Sequence[Tuple[int, int]]] = None, group_size: int = 1,
+                         allow_oversize: bool = False, min_micro_batches: int = 1,
+                         workload: Workload = "tokens",
+                         attn_coef: float = DEFAULT_ATTN_COEF) -> List[PackedBatch]:
+    """Pack rollouts into micro-batches of at most `token_budget` tokens (first-fit-decreasing).
+
+    Inputs, one entry per rollout sequence i: `prompt_ids[i]` (≥ 1 token: the first completion
+    token is predicted from the last prompt token), `completion_ids[i]` (≥ 0 tokens),
+    `advantages[i]` (a float broadcast over the completion, or C_i per-token values), and
+    optionally per-token `old_logp`, `ref_logp`, `weights`, `completion_mask` (C_i values each).
+    `ids[i]` = (prompt id, sample id); by default (i // group_size, i % group_size).
+
+    Log-prob convention: in the packed sequence prompt ‖ completion, the logit at position t
+    predicts token t+1. The loss targets are the completion tokens, so logits are needed only
+    at the positions whose next token is a completion token: `PackedBatch.logit_index`
+    (the last prompt token … the second-to-last completion token). `old_logp[i][j]` must be the
+    log-prob of completion token j of sequence i, i.e. aligned with `targets`.
+
+    A sequence longer than `token_budget` raises ValueError naming it, or gets a micro-batch of
+    its own when `allow_oversize=True`. Empty input gives `[]`.
+
+    `min_micro_batches`: data-parallel ranks must run the same number of forward/backward
+    passes per step, so a trainer takes the max of `len(batches)` over ranks and rebuilds with
+    it. When first-fit-decreasing gives fewer bins, the sequences are instead split by
+    Karmarkar–Karp (`balance_partitions` with `workload` / `attn_coef`) into that many
+    micro-batches, adding one at a time until every one fits the budget (as verl's dynamic
+    batch size does). It cannot exceed the number of sequences (no empty micro-batch).
+    """
+    n = len(prompt_ids)
+    if len(completion_ids) != n:
+        raise ValueError(f"completion_ids: expected {n} sequences (as prompt_ids), got {len(completion_ids)}")
+    if len(advantages) != n:
+        raise ValueError(f"advantages: expected {n} entries (one per sequence), got {len(advantages)}")
+    if not _is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r}: expected an integer >= 1")
+    budget = _check_budget(token_budget)
+    prompts = [_as_ids(p, "prompt_ids", i) for i, p in enumerate(prompt_ids)]
+    comps = [_as_ids(c, "completion_ids", i) for i, c in enumerate(completion_ids)]
+    for i, p in enumerate(prompts):
+        if p.size == 0:
+            raise ValueError(f"prompt_ids[{i}] is empty: expected >= 1 token (the first completion "
+                             "token is predicted from the last prompt token)")
+    comp_lens = [int(c.size) for c in comps]
+    adv = _per_token(advantages, "advantages", comp_lens, allow_scalar=True)
+    olp = _per_token(old_logp, "old_logp", comp_lens, allow_scalar=False)
+    rlp = _per_token(ref_logp, "ref_logp", comp_lens, allow_scalar=False)
+    wts = _per_token(weights, "weights", comp_lens, allow_scalar=False)
+    cmask = _per_token(completion_mask, "completion_mask", comp_lens, allow_scalar=False)
+    if ids is None:
+        ids = [(i // group_size, i % group_size) for i in range(n)]
+    elif len(ids) != n:
+        raise ValueError(f"ids: expected {n} (prompt id, sample id) pairs, got {len(ids)}")
+    ids = [(int(a), int(b)) for a, b in ids]
+
+    lengths = [int(p.size) + c for p, c in zip(prompts, comp_lens)]
+    bins = _micro_batches(lengths, budget, allow_oversize, min_micro_batches, workload, attn_coef)
+    batches = []
+    for b in bins:
+        seqs = sorted(b)  # rollout order inside a micro-batch: easier to read, same cost
+        p_lens = np.array([prompts[i].size for i in seqs], dtype=np.int64)
+        c_lens = np.array([comp_lens[i] for i in seqs], dtype=np.int64)
+        seq_lens = p_lens + c_lens
+        cu = build_cu_seqlens(seq_lens)
+        loss_cu = build_cu_seqlens(c_lens)
+        # logit_index of completion token j of sequence s: start_s + P_s − 1 + j
+        comp_seq = np.repeat(np.arange(len(seqs)), c_lens)
+        j = np.arange(int(c_lens.sum())) - loss_cu.numpy()[:-1][comp_seq]
+        logit_index = cu.numpy()[:-1].astype(np.int64)[comp_seq] + p_lens[comp_seq] - 1 + j
+        mask = np.zeros(int(seq_lens.sum()), dtype=bool)
+        mask[logit_index + 1] = True
+
+        def cat(parts, dtype=np.float32):
+            return None if parts is None else torch.from_numpy(np.concatenate([parts[i] for i in seqs]).astype(dtype, copy=False))
+
+        batches.append(PackedBatch(
+            input_ids=cat({i: np.concatenate([prompts[i], comps[i]]) for i in seqs}, np.int64),
+            position_ids=build_position_ids(seq_lens),
+            cu_seqlens=cu,
+            max_seqlen=int(seq_lens.max()),
+            mask=torch.from_numpy(mask),
+            logit_index=torch.from_numpy(logit_index),
+            targets=cat(comps, np.int64),
+            advantages=cat(adv),
+            loss_mask=cat(cmask) if cmask is not None else torch.ones(int(c_lens.sum()), dtype=torch.float32),
+            loss_cu_seqlens=loss_cu,
+            prompt_lens=torch.from_numpy(p_lens),
+            completion_lens=torch.from_numpy(c_lens),
+            seq_index=torch.tensor(seqs, dtype=torch.int64),
+            ids=[ids[i] for i in seqs],
+            old_logp=cat(olp),
+            ref_logp=cat(rlp),
+            weights=cat(wts),
+        ))
+    return batches
+
+
+def _micro_batches(lengths: List[int], budget: int, allow_oversize: bool, min_micro_batches,
+                   workload: Workload, attn_coef: float) -> List[List[int]]:
+    if not _is_int(min_micro_batches) or min_micro_batches < 1:
+        raise ValueError(f"min_micro_batches={min_micro_batches!r}: expected an integer >= 1")
+    bins = pack_sequences(lengths, budget, allow_oversize=allow_oversize)
+    if len(bins) >= min_micro_batches or not lengths:
+        return bins
+    if min_micro_batches > len(lengths):
+        raise ValueError(f"min_micro_batches={min_micro_batches} > {len(lengths)} sequences: a "
+                         "micro-batch cannot be empty")
+    arr = np.asarray(lengths, dtype=np.int64)
+    for m in range(int(min_micro_batches), len(lengths) + 1):
+        parts = balance_partitions(arr, m, workload=workload, attn_coef=attn_coef)
+        # Oversize sequences (allowed) must sit alone; everything else within the budget.
+        if all(len(p) == 1 or arr[p].sum() <= budget for p in parts) and all(parts):
+            return parts
+    # m = n puts one sequence in each part (positive lengths never share a subset), so the loop
+    # always returns; this line only guards that reasoning.
+    raise RuntimeError(f"no split of {len(lengths)} sequences fits token_budget={budget}")
+
+
+def unpack(batch: PackedBatch, per_token: torch.Tensor) -> List[torch.Tensor]:
+    """Per-sequence completion tensors from a packed per-token tensor, in the batch's order
+    (sequence s is rollout `batch.seq_index[s]`).
+
+    `per_token` is either in completion space (`[N, ...]`, e.g. log-probs from
+    `packed_logprobs`, or the loss's per-token output) or in token space (`[T, ...]`, e.g. the
+    model's full output; the completion tokens are taken at `batch.mask`). Each result is a view
+    or slice of length C_s. Since every prompt has ≥ 1 token, N < T and the two cannot be confused.
+    """
+    if not isinstance(per_token, torch.Tensor) or per_token.ndim < 1:
+        raise ValueError("per_token: expected a tensor with the token dimension first")
+    rows = per_token.shape[0]
+    if rows == batch.num_tokens:
+        per_token = per_token[batch.mask.to(per_token.device)]
+    elif rows != batch.num_completion_tokens:
+        raise ValueError(f"per_token: first dimension {rows} matches neither the completion tokens "
+                         f"(N={batch.num_completion_tokens}) nor the packed tokens (T={batch.num_tokens})")
+    return list(torch.split(per_token, batch.completion_lens.tolist()))

@@ -1,0 +1,187 @@
+"""The R1-style pipeline behind the CLI: SFT cold start → held-out eval → GRPO → held-out eval,
+in one run folder (config.yaml, metrics.jsonl, tb/, plots/, sft/, checkpoints/, summary.json).
+
+`eval/accuracy` is logged to metrics.jsonl with step 0 for the SFT checkpoint and with the last
+GRPO step at the end. A killed run started again with the same out_dir resumes from its latest
+GRPO checkpoint (or from the saved SFT model when it died before the first one) and continues
+exactly; the "before" accuracy is then read back from metrics.jsonl.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from .builders import build_model, build_rollout_engine, build_task
+from .config import TrainConfig, dump_config
+from .evaluation import evaluate
+from .metrics import make_plots, read_metrics, set_nvtx
+
+Log = Callable[[str], None]
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+
+
+def _prepare(cfg: TrainConfig):
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.logging.nvtx:
+        set_nvtx(True)
+    os.makedirs(cfg.logging.out_dir, exist_ok=True)
+
+
+def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
+    from .sft import run_sft
+
+    sft_dir = os.path.join(cfg.logging.out_dir, "sft", "model")
+    if cfg.checkpoint.resume != "none" and os.path.exists(os.path.join(sft_dir, "config.json")):
+        from transformers import AutoModelForCausalLM
+
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
+        log(f"[fastgrpo] SFT model found in {sft_dir}: skipping the cold start")
+        return
+    bar = _progress(cfg.sft.steps, 0, "sft", cfg.logging.progress)
+    t0 = time.perf_counter()
+
+    def on_step(step, m):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+
+    run_sft(cfg, model, tok, task, out_dir=cfg.logging.out_dir, on_step=on_step)
+    if bar is not None:
+        bar.close()
+    log(f"[fastgrpo] SFT cold start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s")
+
+
+def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
+    """SFT (cfg.sft_first) → eval → GRPO for cfg.steps → eval; returns a summary dict."""
+    from .trainer import Trainer
+
+    t_start = time.perf_counter()
+    _prepare(cfg)
+    out = cfg.logging.out_dir
+    dump_config(cfg, os.path.join(out, "config.yaml"))
+    from .trainer import seed_everything
+
+    seed_everything(cfg.seed)
+    model, tok = build_model(cfg.model)
+    task = build_task(cfg.data)
+    resume_path = None
+    if cfg.checkpoint.resume == "auto":
+        resume_path = ckpt.latest_checkpoint(out)
+    elif cfg.checkpoint.resume != "none":
+        resume_path = cfg.checkpoint.resume
+    if cfg.sft_first and resume_path is None and cfg.sft.steps > 0:
+        _sft_stage(cfg, model, tok, task, log)
+    trainer = Trainer(cfg, model, tok, task, log=log)
+    before: Optional[float] = None
+    summary: Dict[str, float] = {}
+    try:
+        if resume_path is not None:
+            trainer.resume(resume_path)
+            log(f"[fastgrpo] resumed from {resume_path} at step {trainer.step_num}")
+            rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("step") == 0 and "eval/accuracy" in r]
+            before = rows[-1]["eval/accuracy"] if rows else None
+        elif task.heldout:
+            ev = evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+            trainer.metrics.log(0, ev)
+            before = ev["eval/accuracy"]
+            log(f"[fastgrpo] held-out accuracy before RL (SFT checkpoint): {before:.3f}")
+        bar = _progress(cfg.steps, trainer.step_num, "grpo", cfg.logging.progress and trainer.rank == 0)
+
+        def on_step(step, m):
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and task.heldout:
+                trainer.metrics.log(step, evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m.get('reward/mean', 0):.3f}", acc=f"{m.get('train/accuracy', 0):.2f}",
+                                tok_s=f"{m.get('perf/throughput', 0):.0f}")
+
+        t_rl = time.perf_counter()
+        trainer.train(on_step=on_step)
+        rl_s = time.perf_counter() - t_rl
+        if bar is not None:
+            bar.close()
+        summary.update(steps=trainer.step_num, rl_s=rl_s)
+        if task.heldout:
+            ev = evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+            trainer.metrics.log(trainer.step_num, ev)
+            summary["accuracy_after"] = ev["eval/accuracy"]
+            summary["accuracy_before"] = before
+            log(f"[fastgrpo] held-out accuracy: {before if before is None else round(before, 3)} after SFT → "
+                f"{ev['eval/accuracy']:.3f} after {trainer.step_num} GRPO steps")
+    finally:
+        trainer.close()
+    if cfg.logging.plots and trainer.rank == 0:
+        make_plots(out)
+    summary["wall_s"] = time.perf_counter() - t_start
+    if trainer.rank == 0:
+        import json
+
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        log(f"[fastgrpo] run folder: {out} (metrics.jsonl, tb/, plots/, checkpoints/) — {summary['wall_s']:.0f} s total")
+    return summary
+
+
+def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
+    """`fastgrpo sft`: the cold start alone; the model lands in <out_dir>/sft/model."""
+    _prepare(cfg)
+    from .trainer import seed_everything
+
+    seed_everything(cfg.seed)
+    model, tok = build_model(cfg.model)
+    task = build_task(cfg.data)
+    cfg.checkpoint.resume = "none"
+    _sft_stage(cfg, model, tok, task, log)
+    out = {}
+    if task.heldout:
+        engine = build_rollout_engine(cfg.rollout, model, tok)
+        out = evaluate(engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+        log(f"[fastgrpo] held-out accuracy after SFT: {out['eval/accuracy']:.3f}")
+    return out
+
+
+def run_eval(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
+    """`fastgrpo eval`: held-out accuracy and pass@k of model.path (a run folder works)."""
+    _prepare(cfg)
+    model, tok = build_model(cfg.model)
+    task = build_task(cfg.data)
+    engine = build_rollout_engine(cfg.rollout, model, tok)
+    out = evaluate(engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+    for k, v in out.items():
+        log(f"{k}: {v:.4f}")
+    return out
+
+
+def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
+    """`fastgrpo bench`: cfg.steps GRPO steps without SFT, eval or checkpoints; prints the median
+    seconds per phase and tokens/s (the first step is warm-up and is left out)."""
+    from .trainer import Trainer
+
+    _prepare(cfg)
+    cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.resume = 0, False, "none"
+    trainer = Trainer(cfg)
+    rows = []
+    try:
+        trainer.train(on_step=lambda s, m: rows.append(m))
+    finally:
+        trainer.close()
+    rows = rows[1:] or rows
+    keys = sorted({k for r in rows for k in r if k.startswith("timing/") or k == "perf/throughput"})
+    med = {k: statistics.median([r[k] for r in rows if k in r]) for k in keys}
+    log(f"{'metric':<24}{'median':>12}")
+    for k in keys:
+        log(f"{k:<24}{med[k]:>12.4f}")
+    return med

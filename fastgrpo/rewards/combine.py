@@ -1,0 +1,141 @@
+"""Reward composition: a weighted sum of named rewards, each logged separately, and the
+`RewardManager` a trainer holds for the whole run (one persistent pool, closed at the end).
+
+As in TRL's GRPOTrainer (`reward_funcs` + `reward_weights`, per-function metrics) with two
+departures: a None (data error) in any component makes the total None, so the trainer skips the
+sample instead of training on a silent 0; and each component's reason codes become metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from fastgrpo.rewards.code import code_reward
+from fastgrpo.rewards.format import format_reward
+from fastgrpo.rewards.language import language_reward
+from fastgrpo.rewards.length import KimiLengthGate, kimi_length_reward, overlong_penalty
+from fastgrpo.rewards.math import math_reward
+from fastgrpo.rewards.pool import RewardPool
+from fastgrpo.rewards.reasons import reason_counts
+
+
+@dataclass
+class CombinedReward:
+    total: List[Optional[float]]  # weighted sum per sample; None where a component is None
+    components: Dict[str, List[Optional[float]]]  # each named reward, unweighted
+    metrics: Dict[str, float] = field(default_factory=dict)  # reward/<name>/mean, reason shares
+
+
+def combine_rewards(components: Mapping[str, Sequence[Optional[float]]], weights: Optional[Mapping[str, float]] = None,
+                    reasons: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> CombinedReward:
+    """Weighted sum of named per-sample rewards (weight 1.0 for names missing from `weights`)."""
+    if not components:
+        raise ValueError("components: expected at least one named reward list")
+    weights = dict(weights or {})
+    unknown = set(weights) - set(components)
+    if unknown:
+        raise ValueError(f"weights: names {sorted(unknown)} have no component; components are {sorted(components)}")
+    n = {len(v) for v in components.values()}
+    if len(n) != 1:
+        raise ValueError(f"components: expected equal lengths, got { {k: len(v) for k, v in components.items()} }")
+    size = n.pop()
+    total: List[Optional[float]] = [0.0] * size
+    metrics: Dict[str, float] = {}
+    for name, vals in components.items():
+        w = float(weights.get(name, 1.0))
+        ok = [v for v in vals if v is not None]
+        if ok:
+            metrics[f"reward/{name}/mean"] = sum(ok) / len(ok)
+        metrics[f"reward/{name}/none_frac"] = (size - len(ok)) / size if size else 0.0
+        for i, v in enumerate(vals):
+            if v is None or total[i] is None:
+                total[i] = None
+            else:
+                total[i] += w * float(v)
+        if reasons and name in reasons:
+            metrics.update(reason_counts(reasons[name], f"reward/{name}"))
+    ok = [t for t in total if t is not None]
+    if ok:
+        metrics["reward/total/mean"] = sum(ok) / len(ok)
+    return CombinedReward(total, {k: list(v) for k, v in components.items()}, metrics)
+
+
+_BUILTIN = ("math", "code", "format", "kimi_length", "overlong", "language")
+
+
+class RewardManager:
+    """What a trainer holds: named built-in rewards with weights and options, one persistent
+    RewardPool. `score(...)` → CombinedReward; `close()` (or `with`) at the end of training.
+
+    weights: {name: weight} over math, code, format, kimi_length, overlong, language.
+    options: {name: kwargs} passed to that reward (e.g. {"overlong": {"max_length": 1024,
+        "cache_length": 256}}, {"math": {"timeout": 3.0}}).
+    correctness: which reward decides "correct" for kimi_length (score ≥ 1.0).
+    """
+
+    def __init__(self, weights: Mapping[str, float], options: Optional[Mapping[str, dict]] = None,
+                 pool: Optional[RewardPool] = None, num_workers: Optional[int] = None, correctness: str = "math",
+                 kimi_gate: Optional[KimiLengthGate] = None):
+        bad = [k for k in weights if k not in _BUILTIN]
+        if bad:
+            raise ValueError(f"weights: unknown rewards {bad}; expected names among {list(_BUILTIN)}")
+        if correctness not in ("math", "code"):
+            raise ValueError(f"correctness={correctness!r}: expected 'math' or 'code'")
+        self.weights, self.options = dict(weights), {k: dict(v) for k, v in (options or {}).items()}
+        self.correctness = correctness
+        self.kimi_gate = kimi_gate or KimiLengthGate()
+        self._own_pool = pool is None
+        self.pool = pool or RewardPool(num_workers=num_workers)
+
+    def score(self, completions: Sequence[str], *, answers: Optional[Sequence[str]] = None,
+              tests: Optional[Sequence[str]] = None, lengths: Optional[Sequence[int]] = None,
+              groups: Optional[Sequence] = None, step: Optional[int] = None) -> CombinedReward:
+        comps: Dict[str, List] = {}
+        why: Dict[str, List] = {}
+
+        def need(value, what, name):
+            if value is None:
+                raise ValueError(f"{what}: required by the {name!r} reward")
+            return value
+
+        names = list(self.weights)
+        if "kimi_length" in names and self.correctness not in names:
+            names.insert(0, self.correctness)
+        for name in names:
+            opt = self.options.get(name, {})
+            if name == "math":
+                comps[name], why[name] = math_reward(completions, need(answers, "answers", name), pool=self.pool,
+                                                     return_reasons=True, **opt)
+            elif name == "code":
+                comps[name], why[name] = code_reward(completions, need(tests, "tests", name), pool=self.pool,
+                                                     return_reasons=True, **opt)
+            elif name == "format":
+                comps[name], why[name] = format_reward(completions, return_reasons=True, **opt)
+            elif name == "language":
+                comps[name], why[name] = language_reward(completions, return_reasons=True, **opt)
+            elif name == "overlong":
+                comps[name] = overlong_penalty(need(lengths, "lengths", name), **opt)
+        if "kimi_length" in self.weights:
+            correct = [s is not None and s >= 1.0 for s in comps[self.correctness]]
+            comps["kimi_length"] = kimi_length_reward(need(lengths, "lengths", "kimi_length"), correct, groups=groups,
+                                                      gate=self.kimi_gate, step=step)
+        weights = {k: self.weights.get(k, 0.0) for k in comps}
+        out = combine_rewards(comps, weights, why)
+        out.metrics["reward/kimi_length/active"] = float(self.kimi_gate.active)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"kimi_gate": self.kimi_gate.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kimi_gate.load_state_dict(state["kimi_gate"])
+
+    def close(self) -> None:
+        if self._own_pool:
+            self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

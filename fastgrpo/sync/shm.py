@@ -1,0 +1,68 @@
+"""CPU shared-memory transport for bucketed weight sync.
+
+Two POSIX shared-memory segments (`multiprocessing.shared_memory`) serve as the double buffer:
+the trainer packs bucket k+1 into one while the engine loads bucket k from the other. The
+engine attaches to them by name once (`attach`), so the same code serves an engine in this
+process or in vLLM's engine-core process. The engine loads the views with its worker's
+`reload_weights(weights_iterator=...)` (see worker_ext.py).
+"""
+from __future__ import annotations
+
+import os
+from multiprocessing import shared_memory
+from typing import Dict, List
+
+import torch
+
+
+class ShmTransport:
+    kind = "shm"
+
+    def __init__(self, n_buffers: int = 2):
+        if n_buffers not in (1, 2):
+            raise ValueError(f"n_buffers={n_buffers!r}: expected 1 or 2")
+        self.n_buffers = n_buffers
+        self.nbytes = 0
+        self._shms: List[shared_memory.SharedMemory] = []
+        self.buffers: List[torch.Tensor] = []
+
+    def ensure(self, nbytes: int) -> bool:
+        """Allocate buffers of at least `nbytes`; True when (re)allocated (the engine must attach)."""
+        if nbytes <= self.nbytes and self.buffers:
+            return False
+        self.close()
+        for _ in range(self.n_buffers):
+            shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            self._shms.append(shm)
+            self.buffers.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes))
+        self.nbytes = nbytes
+        return True
+
+    def payload(self) -> Dict:
+        return {"kind": self.kind, "names": [s.name for s in self._shms], "nbytes": self.nbytes, "pid": os.getpid()}
+
+    def close(self) -> None:
+        self.buffers = []
+        for shm in self._shms:
+            try:
+                shm.close()
+                shm.unlink()
+            except (BufferError, FileNotFoundError):
+                # a view is still alive somewhere (e.g. the engine in this process); the segment
+                # is unlinked with the last mapping
+                pass
+        self._shms = []
+        self.nbytes = 0
+
+
+def attach(payload: Dict):
+    """Engine side: map the segments named in `payload`; returns (buffers, handles to keep)."""
+    shms, buffers = [], []
+    for name in payload["names"]:
+        # Python < 3.13 registers the segment with this process's resource tracker again; a
+        # spawned child shares its parent's tracker, where the name is already registered, so no
+        # unregister here (it would make the creator's unlink fail in the tracker).
+        shm = shared_memory.SharedMemory(name=name)
+        shms.append(shm)
+        buffers.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=payload["nbytes"]))
+    return buffers, shms

@@ -1,0 +1,124 @@
+"""Shared Triton pieces of the fused GRPO kernels: the online log-sum-exp / entropy update over
+one vocabulary block of a row tile, and the autotune set-up shared by every kernel.
+
+Online softmax follows Milakov & Gimelshein (2018) as used by Liger-Kernel and Apple's Cut
+Cross-Entropy; the entropy rides along as a second running sum. Departure from Liger: every
+program owns a 2-D tile of BLOCK_N rows × BLOCK_V columns (Liger: one row per program), and the
+grid has one axis over row tiles, so N up to 2^31·BLOCK_N rows works (Liger's kernels index a
+second grid axis that stops at 65 535).
+
+Autotuning: on a GPU the launcher lets `triton.autotune` pick among configs for Hopper
+(capability 9.x) or a smaller fallback set elsewhere. Under TRITON_INTERPRET=1 (CPU tests) the
+config list is pruned to a single shape-derived config, so nothing is benchmarked: the
+interpreter's cost grows with the number of programs, so that config takes many rows per program.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fastgrpo import env
+
+INTERPRET = env.triton_interpret()
+
+# Largest tile (elements) the interpreter config uses: numpy handles 16k-element tiles in
+# microseconds, while each extra program costs a Python-level launch of every op.
+_INTERP_TILE = 16384
+
+
+@triton.jit
+def online_lse_update(x, m, s, t):
+    """One vocabulary block of the online log-sum-exp with entropy, fp32 throughout.
+
+    x: [BN, BV] scaled logits z/τ (−inf on padding columns); m: [BN] running max;
+    s: [BN] Σ e^(x−m); t: [BN] Σ e^(x−m)·(x−m). Keeping t relative to the running max avoids
+    the cancellation of lse − E[x] when logits are large. Returns the new (m, s, t);
+    at the end lse = m + log s and H = log s − t/s.
+    """
+    m_new = tl.maximum(m, tl.max(x, 1))
+    d = x - m_new[:, None]
+    p = tl.exp(d)
+    # First block: m = −inf, s = 0, so rescale terms are 0 (select avoids −inf·0 = NaN).
+    alpha = tl.where(s > 0, tl.exp(m - m_new), 0.0)
+    shift = tl.where(s > 0, m - m_new, 0.0)
+    s_new = alpha * s + tl.sum(p, 1)
+    # p = 0 on padding columns and on −inf logits (probability 0, 0·log 0 = 0): skip p·d = 0·(−inf).
+    t_new = alpha * (t + shift * s) + tl.sum(tl.where(p > 0, p * d, 0.0), 1)
+    return m_new, s_new, t_new
+
+
+@triton.jit
+def row_tile(pid, n_rows, BLOCK_N: tl.constexpr):
+    """Row indices of a tile, the in-range mask, and rows clamped to N−1 for loads (so padding
+    rows of the last tile read real data and never produce NaNs)."""
+    rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    rows_c = tl.minimum(rows, n_rows - 1)
+    return rows, row_ok, rows_c
+
+
+# (BLOCK_N, BLOCK_V, num_warps). Bandwidth-bound kernels: tiles of 4k–16k elements with enough
+# warps to keep ~16–32 elements per thread in flight; single-row tiles win at large V, multi-row
+# tiles when V is small (one 128-column row would leave most lanes idle).
+_HOPPER = ((1, 4096, 8), (1, 8192, 16), (2, 4096, 8), (4, 2048, 8), (4, 4096, 16),
+           (8, 1024, 8), (8, 2048, 16), (16, 512, 8), (32, 256, 4), (64, 128, 4))
+_FALLBACK = ((1, 4096, 8), (2, 2048, 8), (4, 1024, 4), (16, 256, 4), (64, 64, 4))
+_ALL_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=w, num_stages=2)
+                for bn, bv, w in dict.fromkeys(_HOPPER + _FALLBACK)]
+
+
+def interp_config(n_rows: int, n_cols: int) -> triton.Config:
+    """The one config used under the interpreter: the whole (small) vocabulary in one block when
+    it fits, and as many rows as fill `_INTERP_TILE` elements."""
+    bv = min(triton.next_power_of_2(max(n_cols, 1)), 2048)
+    bn = max(1, min(triton.next_power_of_2(max(n_rows, 1)), _INTERP_TILE // bv, 1024))
+    return triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_set():
+    """Hopper configs on capability 9.x, the fallback set elsewhere. Asked at the first launch,
+    not at import, so importing the kernels never initialises CUDA."""
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    return frozenset(_HOPPER if cap[0] >= 9 else _FALLBACK)
+
+
+def _prune(configs, named_args, **kwargs):
+    n_rows, n_cols = int(named_args["n_rows"]), int(named_args["n_cols"])
+    if INTERPRET:
+        return [interp_config(n_rows, n_cols)]
+    allowed = _device_set()
+    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps) in allowed]
+    # Drop blocks far wider than the vocabulary (pure padding), keep at least one config.
+    cap = max(triton.next_power_of_2(n_cols), 128)
+    narrow = [c for c in kept if c.kwargs["BLOCK_V"] <= cap]
+    return narrow or [min(kept, key=lambda c: c.kwargs["BLOCK_V"])]
+
+
+def autotuned(restore_value=None):
+    """`triton.autotune` keyed on the vocabulary size (and, as Triton adds, the pointer dtypes),
+    with the config list pruned per launch by `_prune`. `restore_value` names outputs that may
+    alias an input (the in-place gradient) so that benchmarking a config never corrupts it."""
+    def deco(fn):
+        return triton.autotune(configs=_ALL_CONFIGS, key=["n_cols"],
+                               prune_configs_by={"early_config_prune": _prune},
+                               restore_value=restore_value)(fn)
+    return deco
+
+
+def grid_rows(n_rows: int):
+    """1-D grid over row tiles: axis 0 takes up to 2^31−1 programs (axes 1/2 stop at 65 535)."""
+    return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_N"]),)
+
+
+def row_major_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
+    """Kernels take any row stride but need unit column stride; anything else (e.g. a transposed
+    view) is copied once into a contiguous tensor — documented cost of O(N·V) bytes."""
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: expected shape [N, V], got {tuple(logits.shape)}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        return logits.contiguous()
+    return logits

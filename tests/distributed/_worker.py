@@ -1,0 +1,113 @@
+"""One rank of the distributed CI test (launched by torchrun from test_distributed.py), or the
+single-process reference that replays every rank's rollouts on one model.
+
+Each rank makes its own synthetic rollouts (prompt/completion token ids, rewards → per-group
+z-score advantages), the backend rebalances them across ranks, packs them into the same
+number of micro-batches per rank, and trains `--steps` GRPO steps with fastgrpo's loss
+(token-mean over all ranks' tokens). Writes the final flat weights of this rank to
+<out>/rank<r>.pt (or <out>/reference.pt).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.distributed import DistributedBackend, all_reduce_metrics, plan_micro_batches, rebalance, shutdown
+from fastgrpo.loss import LossConfig, grpo_loss
+from fastgrpo.models import packed_forward
+from fastgrpo.packing import build_packed_batches
+
+G = 4  # samples per prompt
+PROMPTS_PER_RANK = 3
+BUDGET = 64  # token budget of a micro-batch: several micro-batches per rank
+
+
+def rollouts(src_rank: int, step: int, vocab: int):
+    """Deterministic synthetic rollouts of one rank: records (prompt, completion, advantage)."""
+    g = torch.Generator().manual_seed(1000 * step + src_rank)
+    recs = []
+    for _ in range(PROMPTS_PER_RANK):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g)
+        rewards = torch.rand(G, generator=g)
+        adv = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-4)
+        for j in range(G):
+            comp = torch.randint(3, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)
+            recs.append((prompt.tolist(), comp.tolist(), float(adv[j])))
+    return recs
+
+
+def loss_fn(model, batch, num_items, scale):
+    h = packed_forward(model, batch)
+    logits = model.get_output_embeddings()(h)
+    out = grpo_loss(logits, batch.targets, batch.advantages, mask=batch.loss_mask,
+                    cu_seqlens=batch.loss_cu_seqlens, config=LossConfig(), num_items=num_items)
+    out.loss = out.loss * scale
+    return out
+
+
+def train(backend: DistributedBackend, steps: int, ranks_to_replay):
+    vocab = backend.module.config.vocab_size
+    for step in range(steps):
+        recs = [r for src in ranks_to_replay for r in rollouts(src, step, vocab)]
+        recs = rebalance(recs, [len(p) + len(c) for p, c, _ in recs])
+        local_tokens = sum(len(c) for _, c, _ in recs)
+        total = all_reduce_metrics({"tokens": local_tokens}, op="sum")["tokens"]
+        plan = plan_micro_batches([len(p) + len(c) for p, c, _ in recs], BUDGET)
+        batches = []
+        for idx in plan:
+            if not idx:
+                batches.append(None)
+                continue
+            sub = [recs[i] for i in idx]
+            (b,) = build_packed_batches([p for p, _, _ in sub], [c for _, c, _ in sub], [a for _, _, a in sub], BUDGET)
+            batches.append(b)
+        backend.accumulate(batches, lambda m, b: loss_fn(m, b, total, backend.loss_scale))
+        backend.step()
+    return len(plan)
+
+
+def build(opt_name: str):
+    model, _ = build_tiny_model(seed=0)
+    if opt_name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    else:  # SGD is linear in the gradient, so a wrong gradient scale shows in the weights
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return model, opt
+
+
+def flat_weights(backend: DistributedBackend) -> torch.Tensor:
+    return torch.cat([v.flatten().float() for _, v in sorted(backend.full_state_dict().items())])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="deepspeed:2:adamw",
+                    help="comma-separated backend:zero_stage:optimizer, trained one after the other")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--reference-ranks", type=int, default=0,
+                    help="replay N ranks' rollouts in one process, once per optimizer named in --configs")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    configs = [c.split(":") for c in a.configs.split(",")]
+    if a.reference_ranks:
+        for opt_name in sorted({c[2] for c in configs}):
+            model, opt = build(opt_name)
+            backend = DistributedBackend(model, opt, backend="none", max_grad_norm=1.0)
+            train(backend, a.steps, list(range(a.reference_ranks)))
+            torch.save(flat_weights(backend), os.path.join(a.out, f"reference_{opt_name}.pt"))
+        return 0
+    for kind, stage, opt_name in configs:
+        model, opt = build(opt_name)
+        backend = DistributedBackend(model, opt, backend=kind, zero_stage=int(stage), max_grad_norm=1.0)
+        n_micro = train(backend, a.steps, [backend.rank])
+        print(f"{kind}:{stage}:{opt_name} rank {backend.rank}: {n_micro} micro-batches in the last step", flush=True)
+        torch.save(flat_weights(backend), os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The TRL drop-in: TRL's GRPOTrainer computing its loss with fastgrpo.
+
+1. On the same padded batch and the same tiny float64 model, `fastgrpo_compute_loss` returns
+   TRL 1.16's `_compute_loss` loss, parameter gradients and logged metrics for grpo, bnpo,
+   dr_grpo and dapo (with ε_high, δ, β·k3 and the vLLM importance weights).
+2. `FastGRPOTrainer` trains 2 steps end to end (generation, rewards, loss, optimizer) with every
+   loss computed by fastgrpo.
+"""
+import types
+from collections import defaultdict
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+from fastgrpo.demo.tiny import build_tiny_model  # noqa: E402
+from fastgrpo.integrations.trl import FastGRPOTrainer, _install_forward, fastgrpo_compute_loss, patch_trl_loss  # noqa: E402
+
+B, P, C = 4, 5, 7  # sequences, prompt length, completion length
+TAU = 0.8
+GA, SPG = 2, 4  # gradient accumulation steps, steps per generation
+
+
+class _Accelerator:
+    num_processes = 1
+    sync_gradients = True
+    is_main_process = True
+
+    def autocast(self):
+        return nullcontext()
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def _stand_in(model, loss_type, level, eps_high, delta, beta, bias_kl):
+    """The attributes of a GRPOTrainer that `_compute_loss` reads, around a real model."""
+    args = types.SimpleNamespace(use_bias_correction_kl=bias_kl, delta=delta, steps_per_generation=SPG,
+                                 cast_lm_head_to_fp32=False)
+    t = types.SimpleNamespace(
+        model=model, args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta,
+        epsilon_low=0.2, epsilon_high=eps_high, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        use_vllm=True, vllm_importance_sampling_correction=True, current_gradient_accumulation_steps=GA,
+        accelerator=_Accelerator(), _entropy_bonus_enabled=False, aux_loss_enabled=False, temperature=TAU,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, max_completion_length=C,
+    )
+    get = trl_grpo.GRPOTrainer._get_per_token_logps_and_entropies
+    t._get_per_token_logps_and_entropies = types.MethodType(getattr(get, "__wrapped__", get), t)
+    t._trl_compute_loss = types.MethodType(trl_grpo.GRPOTrainer._compute_loss, t)
+    return t
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, _ = build_tiny_model("qwen2", seed=0, dtype=torch.float64, num_hidden_layers=1)
+    model.train()
+    add_fused_lm_head(model, temperature=TAU, outputs=("log_probs", "entropy"))  # as GRPOTrainer does
+    _install_forward(model)
+    g = torch.Generator().manual_seed(0)
+    v = model.config.vocab_size
+    prompt_ids = torch.randint(3, v, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0  # left padding
+    completion_ids = torch.randint(3, v, (B, C), generator=g)
+    lengths = torch.tensor([C, 3, 0, 5])  # row 2 is fully masked
+    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+        logp = torch.log_softmax(logits[:, P - 1:-1] / TAU, -1).gather(-1, completion_ids[..., None])[..., 0]
+    # old / ref policies near the current one so that ratios straddle 1 ± ε and δ
+    inputs = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.3, -0.7, 0.4, -1.1], dtype=torch.float64),
+        old_per_token_logps=logp + 0.5 * torch.randn(B, C, generator=g, dtype=torch.float64),
+        ref_per_token_logps=logp + 0.3 * torch.randn(B, C, generator=g, dtype=torch.float64),
+        importance_sampling_ratio=0.6 + 0.8 * torch.rand(B, C, generator=g, dtype=torch.float64),
+        num_items_in_batch=torch.tensor(float(completion_mask.sum() * 3)),
+    )
+    return model, inputs
+
+
+def _loss_and_grads(fn, model, inputs):
+    model.zero_grad()
+    loss = fn(model, inputs)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = [  # loss_type, importance level, eps_high, delta, beta, use_bias_correction_kl
+    ("grpo", "token", 0.28, 1.5, 0.04, True),
+    ("bnpo", "token", 0.28, 1.5, 0.04, True),
+    ("dr_grpo", "token", 0.28, 1.5, 0.04, True),
+    ("dapo", "token", 0.28, 1.5, 0.04, True),
+    ("dapo", "token", 0.2, None, 0.0, False),
+    ("grpo", "sequence", 0.28, None, 0.04, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_drop_in_equals_trl_loss_grads_metrics(setup, case):
+    model, inputs = setup
+    trl_t, ours_t = _stand_in(model, *case), _stand_in(model, *case)
+    trl_loss, g_trl = _loss_and_grads(trl_t._trl_compute_loss, model, inputs)
+    loss, g = _loss_and_grads(lambda m, x: fastgrpo_compute_loss(ours_t, m, x), model, inputs)
+    assert ours_t._fastgrpo_calls == 1 and not getattr(ours_t, "_fastgrpo_fallbacks", 0)
+    assert trl_loss != 0.0 and abs(loss - trl_loss) <= 1e-6, (loss, trl_loss)
+    assert set(g) == set(g_trl)
+    for name, gt in g_trl.items():
+        err = float((g[name] - gt).abs().max())
+        assert err <= 1e-6, f"grad {name}: max error {err:.3e}"
+    m_trl = {k: v[-1] for k, v in trl_t._metrics["train"].items()}
+    m_ours = {k: v[-1] for k, v in ours_t._metrics["train"].items()}
+    assert set(m_ours) == set(m_trl)
+    for k in m_trl:
+        assert m_ours[k] == pytest.approx(m_trl[k], abs=1e-6), k
+
+
+def test_unsupported_configuration_falls_back_to_trl(setup):
+    model, inputs = setup
+    t = _stand_in(model, "grpo", "token", 0.28, None, 0.0, False)
+    t._entropy_bonus_enabled = True  # TRL's entropy bonus is outside the loss contract's aggregation
+    t.entropy_coef, t.use_adaptive_entropy = 0.01, False
+    ref_t = _stand_in(model, "grpo", "token", 0.28, None, 0.0, False)
+    ref_t._entropy_bonus_enabled, ref_t.entropy_coef, ref_t.use_adaptive_entropy = True, 0.01, False
+    with pytest.warns(UserWarning, match="entropy bonus"):
+        loss, _ = _loss_and_grads(lambda m, x: fastgrpo_compute_loss(t, m, x), model, inputs)
+    trl_loss, _ = _loss_and_grads(ref_t._trl_compute_loss, model, inputs)
+    assert t._fastgrpo_fallbacks == 1 and loss == trl_loss
+
+
+def test_patch_rejects_non_trainer():
+    with pytest.raises(ValueError, match="trl.GRPOTrainer"):
+        patch_trl_loss(object())
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_fast_trainer_trains_two_steps(tmp_path, loss_type):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    model, tok = build_tiny_model("qwen2", seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompts = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]})
+
+    def digits(completions, **kw):  # rewards digit-heavy completions: varied, so advantages ≠ 0
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=False, max_completion_length=6, num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2,
+                      learning_rate=1e-2, loss_type=loss_type, beta=0.0, report_to="none", logging_steps=1,
+                      save_strategy="no", temperature=1.0, use_cpu=True, bf16=False, seed=0,
+                      dataloader_num_workers=0)
+    trainer = FastGRPOTrainer(model=model, reward_funcs=digits, args=args, train_dataset=prompts,
+                              processing_class=tok)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer._fastgrpo_calls >= 2 and trainer._fastgrpo_fallbacks == 0
+    changed = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    assert changed > 1e-4, "weights did not change"
+    assert any("clip_ratio/low_mean" in h for h in trainer.state.log_history)

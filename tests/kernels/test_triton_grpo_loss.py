@@ -1,0 +1,211 @@
+"""Triton GRPO loss (kernels/grpo_loss.py) vs the float64 oracle, under TRITON_INTERPRET=1 on CPU."""
+import pytest
+import torch
+
+from fastgrpo import loss as api
+from fastgrpo.kernels import _triton_common as tc
+from fastgrpo.kernels.common import LossConfig
+from fastgrpo.kernels.grpo_loss import grpo_loss_triton
+from fastgrpo.kernels.logprobs import _token_logprobs_fwd_kernel
+from fastgrpo.kernels.reference import grpo_loss_reference
+from kernel_oracle import LOSS_CASES, check_vs_truth, loss_kwargs, make_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+# (N, V, sequence lengths): V = 507 / 3000 are not multiples of any block (3000 spans two
+# 2048-column blocks under the interpreter), a length-1 sequence, an empty one, N = 1.
+SHAPES = [(1, 7, [1]), (7, 123, [3, 1, 0, 3]), (123, 507, [40, 30, 1, 52]), (45, 3000, [20, 10, 15])]
+
+
+def run_case(dtype, cfg, uses, shape, seed=0, inplace=False):
+    n, v, seqlens = shape
+    b = make_batch(n, v, seqlens, seed=seed)
+    x = b["logits"].to(dtype)
+    adv = b["advantages"].float() if dtype != torch.float64 else b["advantages"]
+    kw = loss_kwargs(b, uses, dtype)
+
+    def run(fn, logits, **extra):
+        leaf = logits.clone().requires_grad_(True)
+        src = leaf * 1 if inplace else leaf  # in place needs a non-leaf buffer to overwrite
+        out = fn(src, b["targets"], adv.to(logits.dtype) if fn is grpo_loss_reference else adv,
+                 config=cfg, return_entropy=True, **kw, **extra)
+        out.loss.backward()
+        return out, leaf.grad
+
+    truth, g_truth = run(grpo_loss_reference, x.double())
+    ref, g_ref = run(grpo_loss_reference, x)
+    kern, g_kern = run(grpo_loss_triton, x, inplace_backward=inplace)
+    check_vs_truth("loss", kern.loss, ref.loss, truth.loss, dtype)
+    check_vs_truth("logp", kern.logp, ref.logp, truth.logp, dtype)
+    check_vs_truth("entropy", kern.entropy, ref.entropy, truth.entropy, dtype)
+    check_vs_truth("grad", g_kern, g_ref, g_truth, dtype)
+    assert g_kern.dtype == dtype
+    assert set(kern.metrics) == set(truth.metrics)
+    for key in truth.metrics:
+        check_vs_truth(f"metric {key}", kern.metrics[key], ref.metrics[key], truth.metrics[key], dtype)
+    return kern, g_kern
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", LOSS_CASES, ids=[c[0] for c in LOSS_CASES])
+def test_every_option_vs_oracle(case, dtype):
+    name, cfg, uses = case
+    i = [c[0] for c in LOSS_CASES].index(name)
+    run_case(dtype, cfg, uses, SHAPES[i % len(SHAPES)], seed=i)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"N{s[0]}-V{s[1]}" for s in SHAPES])
+def test_odd_shapes_fp64_and_fp16(shape):
+    cfg = LossConfig(beta=0.05, entropy_coef=0.01, eps_high=0.28)
+    run_case(torch.float64, cfg, {"old_logp", "ref_logp", "weights"}, shape, seed=7)
+    run_case(torch.float16, cfg, {"old_logp", "ref_logp", "weights"}, shape, seed=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inplace_backward_overwrites_logits_with_the_same_gradient(dtype):
+    b = make_batch(37, 301, [20, 17], seed=3)
+    cfg = LossConfig(beta=0.1, entropy_coef=0.01)
+    kw = loss_kwargs(b, {"old_logp", "ref_logp"}, dtype)
+    x = b["logits"].to(dtype)
+    grads = {}
+    for inplace in (False, True):
+        leaf = x.clone().requires_grad_(True)
+        buf = leaf * 1  # the logits buffer the backward may overwrite
+        out = grpo_loss_triton(buf, b["targets"], b["advantages"].float(), config=cfg,
+                               inplace_backward=inplace, **kw)
+        out.loss.backward()
+        grads[inplace] = (leaf.grad, buf.detach())
+    assert torch.equal(grads[True][0], grads[False][0])
+    assert torch.equal(grads[True][1], grads[True][0]), "in place: the logits buffer must hold the gradient"
+    assert torch.equal(grads[False][1], x), "out of place: the logits must be left intact"
+    run_case(dtype, cfg, {"old_logp", "ref_logp"}, (37, 301, [20, 17]), seed=3, inplace=True)
+
+
+def test_strided_logits_row_stride_and_transposed_view():
+    b = make_batch(29, 211, [29], seed=4)
+    cfg = LossConfig(entropy_coef=0.02)
+    kw = loss_kwargs(b, {"old_logp"}, torch.float32)
+    x = b["logits"].float()
+    ref_leaf = x.clone().requires_grad_(True)
+    ref = grpo_loss_triton(ref_leaf, b["targets"], b["advantages"].float(), config=cfg, **kw)
+    ref.loss.backward()
+    wide = torch.zeros(29, 250)
+    wide[:, :211] = x
+    views = {"row-stride": wide[:, :211], "transposed": x.t().contiguous().t()}
+    for name, view in views.items():
+        leaf = view.clone() if name == "transposed" else wide.clone()
+        leaf.requires_grad_(True)
+        src = leaf if name == "transposed" else leaf[:, :211]
+        assert src.stride() == view.stride()
+        for inplace in (False, True):
+            if leaf.grad is not None:
+                leaf.grad = None
+            out = grpo_loss_triton(src * 1 if inplace else src, b["targets"], b["advantages"].float(),
+                                   config=cfg, inplace_backward=inplace, **kw)
+            out.loss.backward()
+            grad = leaf.grad if name == "transposed" else leaf.grad[:, :211]
+            assert torch.equal(out.logp, ref.logp), name
+            assert torch.allclose(grad, ref_leaf.grad, atol=1e-7, rtol=1e-6), (name, inplace)
+            if name == "row-stride":
+                assert torch.count_nonzero(leaf.grad[:, 211:]) == 0
+
+
+def test_more_rows_than_one_grid_dimension_allows():
+    # 70 000 rows > 65 535, the limit of grid axes 1/2 (and of Liger's kernels at one row per program).
+    n, v = 70_001, 5
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, v, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    adv = torch.randn(n, generator=g)
+    cu = torch.tensor([0, 30_000, 70_001])
+    cfg = LossConfig(loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+    outs = {}
+    for name, fn, dt in (("truth", grpo_loss_reference, torch.float64), ("ref", grpo_loss_reference, torch.float32),
+                         ("kern", grpo_loss_triton, torch.float32)):
+        leaf = x.to(dt).clone().requires_grad_(True)
+        out = fn(leaf, y, adv.to(dt), cu_seqlens=cu, config=cfg)
+        out.loss.backward()
+        outs[name] = (out, leaf.grad)
+    check_vs_truth("logp", outs["kern"][0].logp, outs["ref"][0].logp, outs["truth"][0].logp, torch.float32)
+    check_vs_truth("grad", outs["kern"][1], outs["ref"][1], outs["truth"][1], torch.float32)
+    assert torch.count_nonzero(outs["kern"][1][-1]) > 0, "the last row must be reached"
+
+
+def test_fully_masked_batch_gives_zero_gradient_and_loss():
+    b = make_batch(19, 77, [10, 9], seed=6)
+    leaf = b["logits"].float().requires_grad_(True)
+    out = api.grpo_loss(leaf, b["targets"], b["advantages"].float(), mask=torch.zeros(19),
+                        old_logp=b["old_logp"].float(), config=LossConfig(beta=0.1),
+                        ref_logp=torch.full((19,), float("-inf")), impl="triton")
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0
+    assert torch.count_nonzero(leaf.grad) == 0
+
+
+def test_nonfinite_logits_raise_like_the_torch_path_and_minus_inf_is_probability_zero():
+    b = make_batch(6, 40, [6], seed=9)
+    x = b["logits"].float()
+    errors = {}
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[4, 11] = bad
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError, match="row 4 contains NaN or Inf") as e:
+                api.grpo_loss(y, b["targets"], b["advantages"].float(), impl=impl)
+            errors[impl] = str(e.value)
+        assert errors["torch"] == errors["triton"]
+    # −inf marks an impossible token: a valid input, p = 0, finite loss, entropy and gradient.
+    y = x.clone()
+    y[2, 5] = float("-inf")
+    b["targets"][2] = 6
+    outs = {}
+    for impl, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaf = y.to(dt).requires_grad_(True)
+        out = api.grpo_loss(leaf, b["targets"], b["advantages"].to(dt), impl=impl, old_logp=b["old_logp"].to(dt))
+        out.loss.backward()
+        outs[impl] = (out, leaf.grad)
+    lp_r = torch.log_softmax(y.double(), -1)
+    ent_r = -(lp_r.exp() * lp_r.nan_to_num(neginf=0.0)).sum(-1)
+    kern = outs["triton"][0]
+    assert torch.allclose(kern.logp.double(), outs["reference"][0].logp, atol=1e-6)
+    assert torch.allclose(api.token_logprobs(y, b["targets"], return_entropy=True, impl="triton")[1].double(),
+                          ent_r, atol=1e-6)
+    assert torch.allclose(outs["triton"][1].double(), outs["reference"][1], atol=1e-7)
+    assert float(outs["triton"][1][2, 5]) == 0.0
+
+
+def test_facade_auto_keeps_cpu_default_and_triton_matches_torch_path():
+    b = make_batch(33, 129, [11, 22], seed=11)
+    cfg = LossConfig(beta=0.02, ratio_level="sequence", entropy_coef=0.01)
+    kw = loss_kwargs(b, {"old_logp", "ref_logp", "weights"}, torch.float32)
+    res = {}
+    for impl in ("auto", "torch", "triton"):
+        leaf = b["logits"].float().requires_grad_(True)
+        out = api.grpo_loss(leaf, b["targets"], b["advantages"].float(), config=cfg, impl=impl, **kw)
+        out.loss.backward()
+        res[impl] = (out.loss, leaf.grad)
+    assert torch.equal(res["auto"][1], res["torch"][1])  # CPU tensors: auto → torch
+    assert torch.allclose(res["triton"][0], res["torch"][0], atol=1e-6)
+    assert torch.allclose(res["triton"][1], res["torch"][1], atol=1e-7)
+
+
+def test_runtime_scalars_are_not_constexpr_and_gpu_pruning_keeps_valid_configs(monkeypatch):
+    # A new temperature must not recompile: inv_temp has to be a runtime argument.
+    import inspect
+
+    from fastgrpo.kernels.grpo_loss import _grpo_loss_bwd_kernel
+
+    for kernel in (_token_logprobs_fwd_kernel, _grpo_loss_bwd_kernel):
+        params = inspect.signature(kernel.fn.fn).parameters  # Autotuner → JIT/InterpretedFunction → def
+        constexpr = {k for k, p in params.items() if "constexpr" in str(p.annotation)}
+        assert "inv_temp" in params and "inv_temp" not in constexpr
+        assert {"BLOCK_N", "BLOCK_V"} <= constexpr
+    # The GPU path of the config pruning (not reached under the interpreter).
+    monkeypatch.setattr(tc, "INTERPRET", False)
+    for n_cols in (5, 300, 151_936):
+        kept = tc._prune(tc._ALL_CONFIGS, {"n_rows": 4096, "n_cols": n_cols})
+        assert kept and all(c.kwargs["BLOCK_V"] <= max(128, 2 ** (n_cols - 1).bit_length()) for c in kept)
+        assert all((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps) in tc._device_set() for c in kept)
+    monkeypatch.setattr(tc, "INTERPRET", True)
+    cfg = tc.interp_config(70_001, 5).kwargs
+    assert cfg["BLOCK_V"] == 8 and cfg["BLOCK_N"] * cfg["BLOCK_V"] <= tc._INTERP_TILE

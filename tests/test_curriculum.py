@@ -1,0 +1,93 @@
+import json
+import random
+
+import numpy as np
+import pytest
+
+from fastgrpo.curriculum import Curriculum, dynamic_sampling, filter_best_of_n, filter_by_pass_rate
+
+
+def test_offline_filters():
+    rewards = {"easy": [1.0] * 8, "mid": [1.0, 0.0] * 4, "hard": [0.0] * 8, "edge": [1.0] * 2 + [0.0] * 8}
+    assert filter_by_pass_rate(rewards) == ["mid", "edge"]  # 0.5 and 0.2 are in [0.2, 0.8]
+    assert filter_by_pass_rate(rewards, low=0.0, high=0.1) == ["hard"]
+    assert filter_best_of_n({"a": [0.0] * 7 + [1.0], "b": [0.0] * 8, "c": [0.0] * 8 + [1.0]}, n=8) == ["b", "c"]
+    with pytest.raises(ValueError, match="low"):
+        filter_by_pass_rate(rewards, low=0.9, high=0.1)
+    with pytest.raises(ValueError, match="at least n=8"):
+        filter_best_of_n({"a": [0.0]}, n=8)
+
+
+def test_pass_rate_counts_ema_and_pruning():
+    c = Curriculum([0, 1, 2], ema_decay=0.5, min_attempts=4)
+    assert c.pass_rate(0) == 0.5  # prior
+    c.update([0, 0, 0, 0, 1, 1, 1, 1], [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, None, 0.0])
+    assert c.pass_rate(0) == 1.0 and c.pass_rate(1) == pytest.approx(1 / 3)
+    assert c.active_ids() == [1, 2]  # prompt 0 pruned (1.0 > 0.9 after 4 attempts)
+    c.update([1, 1], [1.0, 1.0])
+    assert c.pass_rate(1) == pytest.approx(0.5 * (1 / 3) + 0.5 * 1.0)
+    with pytest.raises(ValueError, match="unknown id"):
+        c.update([7], [1.0])
+
+
+def test_sampling_weights_favour_hard_prompts():
+    c = Curriculum(list(range(2)), prune_above=None)
+    c.update([0] * 4 + [1] * 4, [1.0, 1.0, 1.0, 0.0] + [0.0] * 4)  # pass rates 0.75 and 0.0
+    w = c.weights()
+    assert w[1] / w[0] == pytest.approx(1.0 / 0.25)
+    ids = c.sample(4000, np.random.default_rng(0))
+    share = ids.count(1) / len(ids)
+    assert 0.77 < share < 0.83  # expected 0.8
+    assert c.sample(2, random.Random(1)) in ([0, 1], [1, 0])  # without replacement when possible
+    assert c.sample(3, 5) == c.sample(3, 5)  # seeded
+    uni = Curriculum([0, 1], weighting="uniform")
+    assert list(uni.weights()) == [0.5, 0.5]
+
+
+def test_dynamic_sampling_refills_and_is_bounded():
+    class G:
+        def __init__(self, rewards):
+            self.rewards = rewards
+
+    stream = iter([G([1, 1]), G([0, 1]), G([0, 0]), G([1, 0]), G([0.5, 0.5]), G([1, 0])] + [G([1, 1])] * 100)
+    calls = []
+
+    def generate(k):
+        calls.append(k)
+        return [next(stream) for _ in range(k)]
+
+    res = dynamic_sampling(generate, 3)
+    assert [g.rewards for g in res.groups] == [[0, 1], [1, 0], [1, 0]]
+    assert res.full and res.dropped == 3 and calls == [3, 2, 1]
+    bounded = dynamic_sampling(lambda k: [G([1, 1])] * k, 4, max_tries=3)
+    assert not bounded.full and bounded.tries == 3 and bounded.groups == []
+    assert bounded.metrics()["curriculum/dynamic_drop_frac"] == 1.0
+
+
+def test_histogram_and_checkpoint_roundtrip():
+    c = Curriculum(["a", "b", "c", "d"], min_attempts=2)
+    c.update(["a", "a", "b", "b", "c", "c"], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    h = c.histogram(bins=10)
+    assert h["curriculum/pass_rate_hist/0.0-0.1"] == pytest.approx(1 / 3)
+    assert h["curriculum/pass_rate_hist/0.9-1.0"] == pytest.approx(1 / 3)
+    assert h["curriculum/seen_frac"] == 0.75 and h["curriculum/pruned_frac"] == 0.25
+    state = json.loads(json.dumps(c.state_dict()))
+    d = Curriculum(["a", "b", "c", "d"], min_attempts=2)
+    d.load_state_dict(state)
+    assert d.active_ids() == c.active_ids() and d.pass_rate("b") == c.pass_rate("b")
+    assert d.sample(3, 11) == c.sample(3, 11)
+    with pytest.raises(ValueError, match="prompt ids differ"):
+        Curriculum(["x"]).load_state_dict(state)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="prompt_ids"):
+        Curriculum([])
+    with pytest.raises(ValueError, match="weighting"):
+        Curriculum([1], weighting="hardest")
+    with pytest.raises(ValueError, match="batch_size"):
+        Curriculum([1]).sample(0)
+    c = Curriculum([1], min_attempts=1)
+    c.update([1], [1.0])
+    with pytest.raises(ValueError, match="pruned"):
+        c.sample(1)
