@@ -27,20 +27,20 @@ SEQ_LEN = 1024  # Liger takes [B, T, H] hidden states: N tokens as B = N / T seq
 def make_inputs(n, h, v, dtype, device, seed=0):
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
-    weight = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).to(device=device, dtype=dtype)
-    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: no multi-GB host tensors
+    hidden = torch.randn(n, h, generator=g, device=device, dtype=dtype)
+    weight = torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(2 / h ** 0.5)
+    targets = torch.randint(0, v, (n,), generator=g, device=device)
     t = min(SEQ_LEN, n)
     b = n // t
-    adv_seq = torch.randn(b, generator=g).to(device)
+    adv_seq = torch.randn(b, generator=g, device=device)
     adv = torch.cat([adv_seq.repeat_interleave(t), adv_seq[-1:].expand(n - b * t)])
-    mask = (torch.rand(n, generator=g) > 0.1).float().to(device)
+    mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
     with torch.no_grad():  # old / ref near the current policy, chunked so no [N, V] is kept
         logp = torch.cat([torch.log_softmax((hidden[i:i + 2048] @ weight.t()).float(), -1)
                           .gather(1, targets[i:i + 2048, None]).squeeze(1) for i in range(0, n, 2048)])
-    old = logp + 0.1 * torch.randn(n, generator=g).to(device)
-    ref = logp + 0.1 * torch.randn(n, generator=g).to(device)
+    old = logp + 0.1 * torch.randn(n, generator=g, device=device)
+    ref = logp + 0.1 * torch.randn(n, generator=g, device=device)
     cu = torch.cat([torch.arange(0, n, t), torch.tensor([n])])
     return dict(hidden=hidden, weight=weight, targets=targets, adv=adv, adv_seq=adv_seq, mask=mask, old=old,
                 ref=ref, cu=cu, b=b, t=t)
@@ -176,6 +176,7 @@ def main(argv=None):
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--liger-compile", action="store_true", help="let Liger torch.compile its chunk (slow start)")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU + TRITON_INTERPRET=1 at tiny sizes")
+    p.add_argument("--csv", default=None, help="CSV file to append to (default benchmarks/results/<name>.csv)")
     args = p.parse_args(argv)
     bootstrap(args.cpu_smoke)
     import torch
@@ -199,7 +200,7 @@ def main(argv=None):
             print(line)
     bench = Bench("gpu_fused_linear" + ("_cpu_smoke" if args.cpu_smoke else ""))
     run_bench(ns, h, vs, dtype, device, bench, args.liger_compile)
-    return bench.finish()
+    return bench.finish(args.csv)
 
 
 if __name__ == "__main__":

@@ -29,19 +29,20 @@ SEQ_LEN = 1024  # Liger takes [B, L+1, V] logits: N tokens as B = N / L sequence
 def make_inputs(n, v, dtype, device, seed=0):
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    logits = (torch.randn(n, v, generator=g, dtype=torch.float32) * 2).to(device=device, dtype=dtype)
-    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    # Generated on the device in the target dtype: a 64k × 152k fp32 tensor made on the host
+    # would take 40 GB of host memory and most of the suite's time budget.
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n, v, generator=g, dtype=dtype, device=device).mul_(2)
+    targets = torch.randint(0, v, (n,), generator=g, device=device)
     seq_len = min(SEQ_LEN, n)
     b = n // seq_len
-    adv_seq = torch.randn(b, generator=g).to(device)
+    adv_seq = torch.randn(b, generator=g, device=device)
     adv = torch.cat([adv_seq.repeat_interleave(seq_len), adv_seq[-1:].expand(n - b * seq_len)])
-    mask = (torch.rand(n, generator=g) > 0.1).float().to(device)
+    mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
     # old / ref policies near the current one, as in training (far-off values make k3 explode).
-    true_logp = torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]).squeeze(1) if n * v <= 2 ** 28 \
-        else _logp_rows(logits, targets)
-    old = true_logp + 0.1 * torch.randn(n, generator=g).to(device)
-    ref = true_logp + 0.1 * torch.randn(n, generator=g).to(device)
+    true_logp = _logp_rows(logits, targets)
+    old = true_logp + 0.1 * torch.randn(n, generator=g, device=device)
+    ref = true_logp + 0.1 * torch.randn(n, generator=g, device=device)
     cu = torch.cat([torch.arange(0, n, seq_len), torch.tensor([n])])
     return dict(logits=logits, targets=targets, adv=adv, adv_seq=adv_seq, mask=mask, old=old, ref=ref,
                 cu=cu, b=b, seq_len=seq_len)
@@ -208,12 +209,14 @@ def run_bench(ns, vs, dtype, device, bench):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ns", default="4096,16384,65536", help="token counts N (comma list, 'k' = ×1024)")
-    p.add_argument("--vs", default="32768,131072,151936", help="vocabulary sizes V")
+    p.add_argument("--ns", default=None, help="token counts N, comma list, 'k' = ×1024 (default 4k,16k,64k; "
+                                              "smoke 256)")
+    p.add_argument("--vs", default=None, help="vocabulary sizes V (default 32768,131072,151936; smoke 100,333)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--check-only", action="store_true", help="only the oracle check at real sizes")
     p.add_argument("--no-check", action="store_true", help="skip the oracle check")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU + TRITON_INTERPRET=1 at tiny sizes")
+    p.add_argument("--csv", default=None, help="CSV file to append to (default benchmarks/results/<name>.csv)")
     args = p.parse_args(argv)
     bootstrap(args.cpu_smoke)
     import torch
@@ -223,12 +226,13 @@ def main(argv=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.cpu_smoke:
         device = torch.device("cpu")
-        ns, vs = [1024, 2048], [100, 333]
+        defaults = ("256", "100,333")
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_gpu_kernels: no CUDA device; use --cpu-smoke to exercise the script on CPU")
         device = torch.device("cuda")
-        ns, vs = parse_sizes(args.ns), parse_sizes(args.vs)
+        defaults = ("4k,16k,64k", "32768,131072,151936")
+    ns, vs = parse_sizes(args.ns or defaults[0]), parse_sizes(args.vs or defaults[1])
     if not args.no_check:
         for line in check(device, dtype, args.cpu_smoke):
             print(line)
@@ -236,7 +240,7 @@ def main(argv=None):
         return None
     bench = Bench("gpu_kernels" + ("_cpu_smoke" if args.cpu_smoke else ""))
     run_bench(ns, vs, dtype, device, bench)
-    return bench.finish()
+    return bench.finish(args.csv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ backward, with the same O(N) objective on top of each (fastgrpo.kernels.objectiv
 Cases (per shape and dtype):
   fastgrpo          grpo_loss(impl="torch"), gradient into a new buffer
   fastgrpo-inplace  grpo_loss(impl="torch", inplace_backward=True): gradient written into the logits
+                    (the logits then hold the gradient; later repeats run on those values, which
+                    changes nothing in the work done)
   naive             log_softmax(logits.float() / τ).gather(targets) under autograd
   trl               trl.trainer.utils.selective_log_softmax on the [B, L, V] padded view (its CPU
                     path loops over the B rows: logsumexp for fp32, log_softmax for bf16)
@@ -20,11 +22,12 @@ fwd+bwd in a fresh subprocess (harness.peak_rss_subprocess), inputs excluded.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
-from benchmarks.harness import Bench, peak_rss_subprocess, time_fn
+from benchmarks.harness import Bench, Stats, _quantile, peak_rss_subprocess, time_fn
 
 CASES = ("fastgrpo", "fastgrpo-inplace", "naive", "trl")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -32,7 +35,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def _inputs(n: int, v: int, dtype: str, seq_len: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(n, v, generator=g) * 2).to(DTYPES[dtype]).requires_grad_(True)
+    logits = torch.empty(n, v, dtype=DTYPES[dtype])
+    rows = max(1, (1 << 22) // max(v, 1))  # filled by row blocks: no N×V float32 transient, which
+    for r0 in range(0, n, rows):           # ru_maxrss would remember as part of the measured peak
+        logits[r0:r0 + rows] = torch.randn(min(rows, n - r0), v, generator=g) * 2
+    logits.requires_grad_(True)
     targets = torch.randint(0, v, (n,), generator=g)
     adv = torch.randn(n, generator=g)
     old = torch.randn(n, generator=g) * 0.05 - v.bit_length()  # near log(1/V): ratios around 1
@@ -56,7 +63,6 @@ def _objective(logp, p):
 def step(case: str, p) -> float:
     """One forward + backward of `case` on prepared inputs `p`; returns the loss value."""
     logits, targets = p["logits"], p["targets"]
-    logits.grad = None
     if case.startswith("fastgrpo"):
         from fastgrpo.loss import LossConfig, grpo_loss
 
@@ -79,7 +85,10 @@ def step(case: str, p) -> float:
         loss = _objective(logp, p)
     else:
         raise ValueError(f"case={case!r}: expected one of {CASES}")
-    loss.backward()
+    # autograd.grad hands back ∂loss/∂logits as the lm_head backward would receive it; .backward()
+    # on a leaf would add AccumulateGrad's copy of an aliased (in-place) gradient
+    (grad,) = torch.autograd.grad(loss, logits)
+    del grad
     return float(loss.detach())
 
 
@@ -119,9 +128,19 @@ def main(argv=None):
             raise ValueError(f"--shapes: dtype {dtype!r} in {spec!r}: expected one of {tuple(DTYPES)}")
         shape = f"N={n},V={v},{dtype},{args.threads}thr"
         p = _inputs(n, v, dtype, args.seq_len)
+        cases = args.cases.split(",")
+        # round-robin repeats: on a shared machine the load drifts over minutes, and interleaving
+        # the cases makes every case see the same drift, so the ratios stay meaningful
+        samples = {c: [] for c in cases}
+        for case in cases:
+            step(case, p)  # warm-up
+        for _ in range(args.repeats):
+            for case in cases:
+                samples[case] += time_fn(lambda: step(case, p), repeats=1, warmup=0).samples
         results = {}
-        for case in args.cases.split(","):
-            st = time_fn(lambda: step(case, p), repeats=args.repeats, warmup=1)
+        for case in cases:
+            xs = samples[case]
+            st = Stats(statistics.median(xs), _quantile(xs, 0.2), _quantile(xs, 0.8), xs)
             mem = None if args.no_memory else peak_rss_subprocess(
                 "benchmarks.bench_loss", "measure", dict(case=case, n=n, v=v, dtype=dtype, seq_len=args.seq_len,
                                                        threads=args.threads))

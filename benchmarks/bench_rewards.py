@@ -39,6 +39,11 @@ _CODE = "```python\ndef f(n):\n    return sum(range(n + 1)) + 0 * {i}\n```"  # {
 _TESTS = "assert f(10) == 55\nassert f(0) == 0\nassert f(100) == 5050"
 
 
+def _burn(n):
+    """Pure-Python CPU work: the parallel-efficiency control of the machine itself."""
+    return sum(range(n))
+
+
 def _q(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
@@ -77,6 +82,15 @@ def main(argv=None):
         bench.add(case=case, shape=f"workers={w}", stats=Stats(s, s, s, [s]))
 
     try:
+        # Control: how much parallelism the machine grants this process tree at all. On a shared
+        # box with scheduler autogroups, the whole session gets one fair share however many
+        # workers it runs, and this ratio (not the pool) caps the speedup of the rows below.
+        k = 4 * w
+        burn_inline = time_fn(lambda: [_burn(2_000_000) for _ in range(k)], repeats=args.repeats, warmup=1)
+        burn_pool = time_fn(lambda: pool.map(_burn, [(2_000_000,)] * k, timeout=60.0), repeats=args.repeats, warmup=1)
+        bench.add(case="control: cpu burn in-process", shape=f"n={k}", stats=burn_inline)
+        bench.add(case="control: cpu burn pool", shape=f"n={k},workers={w}", stats=burn_pool,
+                  extra={"speedup": burn_inline.median_s / burn_pool.median_s})
         n = args.math_items
         batch_no = iter(range(1, 10**6))
 

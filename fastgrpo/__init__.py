@@ -20,6 +20,10 @@ _EXPORTS = {
     "pack_sequences": "fastgrpo.packing",
     "balance_partitions": "fastgrpo.packing",
     "PackedBatch": "fastgrpo.packing",
+    "RewardManager": "fastgrpo.rewards",
+    "RewardPool": "fastgrpo.rewards",
+    "combine_rewards": "fastgrpo.rewards",
+    "Curriculum": "fastgrpo.curriculum",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

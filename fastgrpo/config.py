@@ -169,7 +169,7 @@ class TrainConfig:
     seed: int = 0  # global seed (python, numpy, torch, sampling)
     max_nan_skips: int = 5  # stop after this many skipped NaN/Inf steps
     sft_first: bool = True  # run the SFT cold start before GRPO (no-arg demo)
-    threads: int = 0  # torch CPU threads (0 = leave torch's default)
+    threads: int = 0  # torch CPU threads (0 = torch's default); 1 wins at tiny sizes: OpenMP spin-waits cost 20× on a busy 2-core box
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -319,6 +319,9 @@ class DistributedBackend:
         self.kind = backend
         self.zero_stage = zero_stage
         self.max_grad_norm = float(max_grad_norm)
+        if backend == "none" and launcher_env().world_size > 1:
+            raise ValueError(f"backend='none' under a {launcher_env().world_size}-process launch: the ranks "
+                             "would train apart; expected 'ddp' or 'deepspeed'")
         self.env = init_distributed(backend, timeout_s)
         self.device = device_for(self.env)
         self.lr_scheduler = lr_scheduler

@@ -8,21 +8,26 @@ sequence, and attention must not cross sequence boundaries:
   5.x `_flash_attention_forward`, the "padding free" case), so nothing is inferred from
   position ids and no mask is built: the layout of TRL's padding-free training and verl's
   remove-padding.
-- everything else (sdpa / eager, CPU): `attn="varlen"` (default) swaps in, for the duration of
-  the call, an attention function registered in transformers' `AttentionInterface` that reads
-  the same `cu_seq_lens_q` kwarg and runs causal SDPA per sequence — exact, O(Σ L²) work and
-  no T×T mask. `attn="mask"` instead relies on transformers' own packed-sequence detection
-  (`masking_utils.find_packed_sequence_indices`: a position that does not follow its
-  predecessor by 1 starts a sequence) which builds a block-diagonal causal mask of T×T; that
-  detection is skipped whenever a KV cache exists, hence `use_cache=False` on every call here.
-  Departure from flash-attn: sliding-window layers are not supported by "varlen" (ValueError).
+- sdpa / eager models (CPU): `attn="varlen"` (default) switches the model, once and for good,
+  to the attention implementation "fastgrpo_varlen_sdpa" registered in transformers'
+  `AttentionInterface`: given the same `cu_seq_lens_q` kwarg as flash-attn it runs causal SDPA
+  per sequence — exact, O(Σ L²) work and no T×T mask; called without it (an ordinary padded
+  forward, `generate`) it is plain SDPA with SDPA's mask. The switch is not undone after the
+  call on purpose: with gradient checkpointing the layers run again during backward, and they
+  must dispatch the same way then. `attn="mask"` instead relies on transformers' own
+  packed-sequence detection (`masking_utils.find_packed_sequence_indices`: a position that does
+  not follow its predecessor by 1 starts a sequence), which builds a T×T block-diagonal causal
+  mask; that detection is skipped whenever a KV cache exists, hence `use_cache=False` on every
+  call here. Departure from flash-attn: "varlen" does not do sliding windows (ValueError).
 
-Only the hidden states at `PackedBatch.logit_index` (positions whose next token is a completion
-token) are returned / sent through the lm_head, so prompt tokens never produce logits and a
-fused linear + loss kernel can take the hidden states directly.
+The forward always goes through the model object given (a DDP / DeepSpeed wrapper's hooks run).
+Only the rows at `PackedBatch.logit_index` (positions whose next token is a completion token)
+are returned / sent through the lm_head (`logits_to_keep`), so prompt tokens never produce
+logits and a fused linear + loss kernel can take the hidden states directly.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Optional
 
 import torch
@@ -32,16 +37,23 @@ from .packing import PackedBatch
 
 VARLEN_ATTN = "fastgrpo_varlen_sdpa"
 _FLASH_PREFIXES = ("flash_attention", "kernels-community/flash", "kernels-community/vllm-flash")
+_SWITCHABLE = ("sdpa", "eager", VARLEN_ATTN)
+# Set while _run runs the model: the mask builder then returns no mask (the
+# per-sequence loop needs none) instead of a T×T block-diagonal one. Masks are built once per
+# forward outside the layers, so checkpoint recomputation never consults this flag.
+_PACKED_CALL = contextvars.ContextVar("fastgrpo_packed_call", default=False)
 
 
 def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                            sliding_window=None, **kwargs):
-    """Causal SDPA per packed sequence. query [1, Hq, T, D], key/value [1, Hkv, T, D];
-    returns ([1, T, Hq, D], None) like transformers' attention functions."""
+    """Causal SDPA per packed sequence when `cu_seq_lens_q` is given, else transformers' SDPA.
+    query [1, Hq, T, D], key/value [1, Hkv, T, D]; returns ([1, T, Hq, D], None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        raise ValueError(f"attention '{VARLEN_ATTN}' needs cu_seq_lens_q (call it through "
-                         "fastgrpo.models.packed_forward)")
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
     if sliding_window is not None:
         raise ValueError(f"sliding_window={sliding_window}: the CPU varlen attention does not "
                          "implement sliding windows; use packed_forward(..., attn='mask')")
@@ -62,29 +74,38 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
+def _varlen_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
 
-    if VARLEN_ATTN not in AttentionInterface._global_mapping:
-        AttentionInterface.register(VARLEN_ATTN, _varlen_sdpa_attention)
+    return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
 
 
 def _is_flash(impl: Optional[str]) -> bool:
     return bool(impl) and impl.startswith(_FLASH_PREFIXES)
 
 
-class _attn_implementation:
-    """Temporarily switch a model config's attention implementation (restored on exit)."""
+def enable_packed_attention(model) -> str:
+    """Prepare `model` for packed forwards; returns the attention implementation it will use.
 
-    def __init__(self, config, impl: str):
-        self.config, self.impl = config, impl
+    Flash-attention models are left alone (their varlen path is used). sdpa / eager models are
+    switched to "fastgrpo_varlen_sdpa" (plain SDPA unless called by `packed_forward`); any other
+    implementation raises ValueError (use `attn="mask"` for those). Called by `packed_forward`;
+    call it yourself before enabling gradient checkpointing or wrapping the model (DDP/FSDP).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
-    def __enter__(self):
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = self.impl
-
-    def __exit__(self, *exc):
-        self.config._attn_implementation = self.saved
+    impl = model.config._attn_implementation
+    if _is_flash(impl):
+        return impl
+    if impl not in _SWITCHABLE:
+        raise ValueError(f"attn_implementation={impl!r}: packed 'varlen' attention supports flash "
+                         "attention, sdpa and eager; use packed_forward(..., attn='mask')")
+    if VARLEN_ATTN not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_ATTN, _varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_ATTN, _varlen_mask)
+    model.config._attn_implementation = VARLEN_ATTN
+    return VARLEN_ATTN
 
 
 def _check_batch(batch) -> None:
@@ -92,59 +113,65 @@ def _check_batch(batch) -> None:
         raise ValueError(f"batch: expected a fastgrpo.packing.PackedBatch, got {type(batch).__name__}")
 
 
-def packed_hidden_states(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
-    """Last hidden states (after the final norm) of every packed token: `[T, H]`."""
+def _unwrap(model):
+    """The HF model inside DDP / DeepSpeed-style wrappers (for its config and embeddings)."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hidden: bool):
+    """One forward of the packed row through `model` itself (so a DDP / DeepSpeed wrapper's
+    hooks run), with lm_head rows restricted to `keep` (transformers' `logits_to_keep`)."""
     _check_batch(batch)
     if attn not in ("auto", "varlen", "mask"):
         raise ValueError(f"attn={attn!r}: expected 'auto', 'varlen' or 'mask'")
-    device = model.get_input_embeddings().weight.device
-    ids = batch.input_ids.to(device)[None]
-    pos = batch.position_ids.to(device)[None]
-    base = model.base_model
-    impl = model.config._attn_implementation
-    if _is_flash(impl):
+    hf = _unwrap(model)
+    device = hf.get_input_embeddings().weight.device
+    if keep is None:
+        keep = torch.zeros(0, dtype=torch.int64)  # no lm_head rows: the caller applies it
+    kw = dict(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
+              use_cache=False, logits_to_keep=keep.to(device), output_hidden_states=hidden)
+    if _is_flash(hf.config._attn_implementation):
         cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
-        out = base(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                   max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
-    elif attn == "mask":
+        return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                     max_length_k=batch.max_seqlen)
+    if attn == "mask":
         # transformers detects the restarts in position_ids and builds a block-diagonal mask
-        out = base(input_ids=ids, position_ids=pos, use_cache=False)
-    else:
-        _register()
-        cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
-        with _attn_implementation(model.config, VARLEN_ATTN):
-            out = base(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
-    return out.last_hidden_state[0]
+        return model(**kw)
+    enable_packed_attention(hf)
+    cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
+    token = _PACKED_CALL.set(True)
+    try:
+        return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                     max_length_k=batch.max_seqlen)
+    finally:
+        _PACKED_CALL.reset(token)
+
+
+def packed_hidden_states(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
+    """Last hidden states (after the final norm) of every packed token: `[T, H]`."""
+    return _run(model, batch, attn, keep=None, hidden=True).hidden_states[-1][0]
 
 
 def packed_forward(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
     """Hidden states `[N, H]` at the positions that predict completion tokens
     (`batch.logit_index`), in packed order: row n times the lm_head weight gives the logits of
-    `batch.targets[n]`. Feed them to a fused linear + loss kernel, or use `packed_logits`.
+    `batch.targets[n]`. Feed them to a fused linear + loss kernel, or use `packed_logits`
+    (which also applies any logit post-processing of the model, e.g. soft-capping).
 
-    `model`: any HF causal LM (Qwen2, Llama, …) exposing `base_model` and
-    `get_output_embeddings()`. `attn`: "auto" (flash varlen when the model uses flash
+    `model`: any HF causal LM (Qwen2, Llama, …), bare or inside a DDP / DeepSpeed wrapper (the
+    forward goes through the wrapper). `attn`: "auto" (flash varlen when the model uses flash
     attention, else "varlen"), "varlen" or "mask" — see the module docstring.
     """
     h = packed_hidden_states(model, batch, attn)
     return h[batch.logit_index.to(h.device)]
 
 
-def _lm_head(model):
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, name, None) not in (None, 1.0):
-            raise ValueError(f"{type(model).__name__} config.{name}={getattr(model.config, name)}: "
-                             "packed_logits applies the lm_head only; post-processing of logits is not supported")
-    return head
-
-
 def packed_logits(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
-    """Logits `[N, V]` of the completion tokens only (lm_head on `packed_forward` rows)."""
-    return _lm_head(model)(packed_forward(model, batch, attn))
+    """Logits `[N, V]` of the completion tokens only: the model's own forward with
+    `logits_to_keep=batch.logit_index`, so the lm_head runs on those N rows and nowhere else."""
+    return _run(model, batch, attn, keep=batch.logit_index, hidden=False).logits[0]
 
 
 def packed_logprobs(model, batch: PackedBatch, temperature: float = 1.0, attn: str = "auto") -> torch.Tensor:

@@ -58,6 +58,8 @@ class Trainer:
 
         self.cfg = cfg
         self.log = log
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         seed_everything(cfg.seed)
         if model is None:
             model, tokenizer = build_model(cfg.model)
@@ -214,7 +216,7 @@ class Trainer:
                 return loss * 0.0
             w = float(b.loss_mask.sum())
             state.tokens += w
-            state.loss += float(out.loss) * (w if token_mean else 1.0)
+            state.loss += float(out.loss.detach()) * (w if token_mean else 1.0)
             for k, v in out.metrics.items():
                 state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
             if out.entropy is not None:
@@ -240,6 +242,8 @@ class Trainer:
         totals["seqs"] = max(totals["seqs"], 1.0)
         logs = {}
         with self.timers.phase("update"):
+            if not batches:  # every group had σ = 0 on every rank: nothing to learn from this batch
+                return {"train/no_update": 1.0}
             self.backend.module.train()
             for _ in range(self.cfg.algorithm.inner_steps):
                 self._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={})
@@ -289,7 +293,7 @@ class Trainer:
                 break
         batches = self._pack(problems, groups, adv, keep)
         self._old_logp(batches)
-        logs = self._update(batches) if any(b is not None for b in batches) else {"train/no_update": 1.0}
+        logs = self._update(batches)
         self._sync()
         if self.nan_skips >= cfg.max_nan_skips:
             raise TrainingStopped(f"stopped at step {self.step_num}: {self.nan_skips} updates skipped for non-finite "

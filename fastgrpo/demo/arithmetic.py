@@ -72,12 +72,14 @@ class ArithmeticTask:
         return int(a), int(b)
 
     def sft_completion(self, problem: Problem, rng: random.Random, noise: float = 0.0) -> str:
-        """The reference trace; with probability `noise` the answer is off by a small amount
-        (a noisy cold start leaves headroom for RL)."""
+        """The reference trace. With probability `noise`, a problem whose units digits carry
+        gets the classic slip of a weak teacher: the carry is dropped (27+15 → 32). The cold
+        start then learns the format and the easy sums but is torn on carries, the headroom RL
+        with a verifiable reward removes."""
         a, b = self.operands(problem)
         ans = a + b
-        if noise > 0 and rng.random() < noise:
-            ans = max(0, ans + rng.choice([-10, -2, -1, 1, 2, 10]))
+        if noise > 0 and (a % 10) + (b % 10) >= 10 and rng.random() < noise:
+            ans -= 10
         return f"<think>{b}+{a}</think><answer>{ans}</answer>"
 
     def reward_fns(self) -> Dict[str, Callable]:

@@ -66,24 +66,36 @@ class _LossRequest:
         self.spec, self.fp32_head = spec, fp32_head
 
 
+def _zero3() -> bool:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover - transformers without the deepspeed integration
+        return False
+    return is_deepspeed_zero3_enabled()
+
+
 def _packed_loss(model, request: _LossRequest, backbone_out):
-    from fastgrpo.loss import fused_linear_grpo_loss
+    from fastgrpo.loss import fused_linear_grpo_loss, grpo_loss
 
     hidden = backbone_out.last_hidden_state
     c = request.on.shape[1]
     # position t predicts token t+1: completion token j of a row is predicted at P-1+j
     h = hidden[:, -(c + 1):-1][request.on]
     head = model.get_output_embeddings()
+    f = request.fields
+    kw = dict(mask=f["mask"], old_logp=f["old_logp"], ref_logp=f["ref_logp"], weights=f["weights"],
+              cu_seqlens=request.cu_seqlens, config=request.spec.config, num_items=request.spec.num_items,
+              return_entropy=True)
+    if _zero3():
+        # ZeRO-3 shards the head weight and gathers it only inside the head's own forward (and
+        # the fused path re-reads the weight in its backward): call the module, loss on logits
+        logits = head(h.float() if request.fp32_head else h)
+        return grpo_loss(logits.float() if request.fp32_head else logits, request.targets, f["advantages"], **kw)
     weight, bias = head.weight, head.bias
     if request.fp32_head:
         h, weight = h.float(), weight.float()
         bias = None if bias is None else bias.float()
-    h = h.to(weight.dtype)
-    f = request.fields
-    return fused_linear_grpo_loss(h, weight, request.targets, f["advantages"], mask=f["mask"],
-                                  old_logp=f["old_logp"], ref_logp=f["ref_logp"], weights=f["weights"],
-                                  cu_seqlens=request.cu_seqlens, config=request.spec.config,
-                                  num_items=request.spec.num_items, bias=bias, return_entropy=True)
+    return fused_linear_grpo_loss(h.to(weight.dtype), weight, request.targets, f["advantages"], bias=bias, **kw)
 
 
 def _install_forward(model) -> None:

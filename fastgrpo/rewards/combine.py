@@ -79,6 +79,10 @@ class RewardManager:
         bad = [k for k in weights if k not in _BUILTIN]
         if bad:
             raise ValueError(f"weights: unknown rewards {bad}; expected names among {list(_BUILTIN)}")
+        bad = [k for k in (options or {}) if k not in weights or k == "kimi_length"]
+        if bad:
+            raise ValueError(f"options: {bad} must name weighted rewards among {[k for k in weights if k != 'kimi_length']}"
+                             " (kimi_length is configured through kimi_gate)")
         if correctness not in ("math", "code"):
             raise ValueError(f"correctness={correctness!r}: expected 'math' or 'code'")
         self.weights, self.options = dict(weights), {k: dict(v) for k, v in (options or {}).items()}

@@ -23,7 +23,9 @@ from fastgrpo.rewards.pool import RewardPool, default_pool
 _TAIL = 4096  # "Answer:" lines and the last number are looked for in the last 4 KiB only
 _BOX = ("\\boxed{", "\\fbox{", "\\boxed {")
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-_UNIT_RE = re.compile(r"^\s*([-+]?\$?\s*[\d.,]+(?:/\d+)?)\s*\\?%?\s*[A-Za-z][A-Za-z .^\d]*\.?\s*$")
+# A number, whitespace, then a word of ≥ 2 letters: "5 cm", "12 apples". Whitespace and the
+# second letter keep "2x" or "3 x" (variables) from being cut to a bare number.
+_UNIT_RE = re.compile(r"^\s*([-+]?\$?\s*[\d.,]+(?:/\d+)?)\s*(?:\\?%)?\s+[A-Za-z]{2,}[A-Za-z .^\d]*\.?\s*$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
 _ANSWER_LINE = re.compile(r"answer\s*(?:is\s*[:：]?|[:：])\s*(.+)", re.IGNORECASE)
 _SYMPY_OK = re.compile(r"^[0-9a-zA-Z+\-*/^().,= ]*$")

@@ -183,7 +183,8 @@ class RewardPool:
         context: multiprocessing start method, `forkserver` (default), `spawn` or `fork`.
         max_pending: capacity of the submission queue (items waiting for a worker).
         memory_limit_mb: RLIMIT_AS of each worker (None: unlimited).
-        isolate_network: give each worker a new empty network namespace when root.
+        isolate_network: give each worker a new empty network namespace (as root directly,
+            otherwise inside an unprivileged user namespace when the kernel allows it).
         preload: modules the fork server imports once (forkserver only).
 
     `map(func, arg_tuples, timeout)` is the batch call; `submit` returns a Future of TaskResult.
@@ -213,6 +214,7 @@ class RewardPool:
         os.set_blocking(self._wake_w, False)
         self._closed = False
         self._broken = False
+        self._pid = os.getpid()  # a forked copy of the pool has no dispatcher: see submit/close
         self._lock = threading.Lock()
         self.stats = {"timeouts": 0, "crashes": 0, "respawns": 0, "completed": 0}
         t0 = time.perf_counter()
@@ -229,6 +231,9 @@ class RewardPool:
         Blocks while the queue is full; raises queue.Full after `block_timeout` seconds."""
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout={timeout!r}: expected a positive number of seconds")
+        if os.getpid() != self._pid:
+            raise RuntimeError("RewardPool was created in another process (this one is a fork); create a new "
+                               "pool here")
         if self._closed or self._broken:
             raise RuntimeError("RewardPool is closed" if self._closed else "RewardPool dispatcher failed (see log)")
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -258,7 +263,10 @@ class RewardPool:
 
     def close(self, grace: float = 2.0) -> None:
         """Stop the pool: pending items get reason `closed`, workers exit (or are killed after
-        `grace` seconds), sandbox processes are killed. Idempotent."""
+        `grace` seconds), sandbox processes are killed. Idempotent; a no-op in a forked child,
+        whose copy must not stop the parent's workers."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             if self._closed:
                 return
@@ -408,7 +416,7 @@ def default_pool() -> RewardPool:
     use, closed at exit). A trainer that wants control creates its own RewardPool."""
     global _DEFAULT_POOL
     with _DEFAULT_LOCK:
-        if _DEFAULT_POOL is None or _DEFAULT_POOL._closed:
+        if _DEFAULT_POOL is None or _DEFAULT_POOL._closed or _DEFAULT_POOL._pid != os.getpid():
             _DEFAULT_POOL = RewardPool()
         return _DEFAULT_POOL
 

@@ -11,8 +11,9 @@ the kernel instead of by monkey-patching `os` inside the child:
   pid, which makes the process cap real and lets us kill every process of that uid afterwards,
   even ones that called setsid() to leave the process group);
 - no network: the pool worker sits in a new empty network namespace (see pool.py);
-- a private mount namespace with fresh tmpfs over /tmp, /var/tmp and /dev/shm, so writes there
-  vanish with the run; the cwd is a fresh temporary directory owned by the sandbox uid;
+- a private mount namespace with fresh size-capped tmpfs over /tmp, /var/tmp and /dev/shm, so
+  writes there vanish with the run; the cwd is a fresh directory in that /tmp owned by the
+  sandbox uid (without root: a fresh host temporary directory);
 - a scrubbed environment (PATH, HOME, LANG only) and `python -I` (no PYTHON* variables, no user
   site); /proc/<pid>/environ of root processes is unreadable to the sandbox uid;
 - a wall-clock timeout and capped output (reading stops at `max_output_bytes`: the run fails);
@@ -30,7 +31,6 @@ root it would rely on the same unprivileged user namespaces.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import selectors
@@ -96,6 +96,7 @@ class SandboxLimits:
     nproc: int = 32  # RLIMIT_NPROC for the sandbox uid (threads count too)
     nofile: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # stdout+stderr read before the run is failed
+    tmpfs_mb: int = 16  # size of each private tmpfs (/tmp, the working dir, /var/tmp, /dev/shm)
     python: Optional[str] = None  # interpreter to run; None: this one if the sandbox uid may
     # execute it, else a world-executable system python3 (standard library only)
 
@@ -155,7 +156,7 @@ def isolation_level() -> str:
     return "+".join(parts)
 
 
-def _preexec(limits: SandboxLimits, uid: Optional[int]):
+def _preexec(limits: SandboxLimits, uid: Optional[int], home: str):
     import resource
 
     def apply():
@@ -165,9 +166,14 @@ def _preexec(limits: SandboxLimits, uid: Optional[int]):
             # Private mount namespace; refuse to mount anything unless propagation is private,
             # otherwise the tmpfs would cover /tmp for the whole host.
             if lc.unshare(CLONE_NEWNS) == 0 and lc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-                for target in _TMPFS_TARGETS:
-                    if os.path.isdir(target):
-                        lc.mount(b"tmpfs", target, b"tmpfs", 0, b"size=16m,mode=1777")
+                opts = b"size=%dm,mode=1777" % limits.tmpfs_mb
+                mounted = [lc.mount(b"tmpfs", t, b"tmpfs", 0, opts) == 0 for t in _TMPFS_TARGETS if os.path.isdir(t)]
+                if mounted and mounted[0]:
+                    # The working directory moves into the fresh /tmp: what the run writes is
+                    # capped at tmpfs_mb in memory and never touches the host's disk.
+                    os.mkdir(home, 0o700)
+                    os.chown(home, uid, uid)
+                    os.chdir(home)
         mb = 1 << 20
         for res, val in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_mb * mb),
                          (resource.RLIMIT_FSIZE, limits.file_size_mb * mb), (resource.RLIMIT_NOFILE, limits.nofile),
@@ -211,13 +217,14 @@ def run_python(code: str, tests: str, timeout: float = 5.0, limits: Optional[San
         if uid is not None:
             os.chown(workdir, uid, uid)
         os.chmod(workdir, 0o700)
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        home = os.path.join("/tmp", os.path.basename(workdir)) if uid is not None else workdir
+        env = {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         python = limits.python or sandbox_python(uid is not None)
         if python is None:
             return SandboxResult(0, 0, 0, False, "sandbox_error:no_python", 0.0, b"")
         proc = subprocess.Popen([python, "-I", "-c", _HARNESS], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                                pass_fds=(w_fd,), preexec_fn=_preexec(limits, uid), close_fds=True)
+                                pass_fds=(w_fd,), preexec_fn=_preexec(limits, uid, home), close_fds=True)
         os.close(w_fd)
         w_fd = -1
         return _collect(proc, job, r_fd, nonce, timeout, limits, uid, t0)

@@ -94,7 +94,9 @@ class VLLMEngine(RolloutEngine):
         self.llm = self._start(path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_memory_utilization,
                                seed, enforce_eager, llm_kwargs)
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
-        self.in_process = type(self.llm.llm_engine.model_executor).__name__ == "UniProcExecutor"
+        # with VLLM_ENABLE_V1_MULTIPROCESSING=1 the executor lives in the engine-core process
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        self.in_process = type(executor).__name__ == "UniProcExecutor"
         if transport == "auto":
             transport = "cuda_ipc" if self.cuda else "shm"
         if transport == "reference" and not self.in_process:
@@ -168,7 +170,8 @@ class VLLMEngine(RolloutEngine):
         from fastgrpo.sync.sender import sync_per_parameter
 
         named = model_or_named.named_parameters() if isinstance(model_or_named, torch.nn.Module) else model_or_named
-        stats = sync_per_parameter(self.rpc, [(n, t.detach()) for n, t in named], self.dtype, self.expected_names)
+        stats = sync_per_parameter(self.rpc, [(n, t.detach()) for n, t in named], self.dtype, self.expected_names,
+                                   by_value=not self.in_process)
         self.llm.reset_prefix_cache()
         return stats
 

@@ -69,6 +69,19 @@ class TensorSlice:
     group: str           # load group (see load_group)
     group_size: int      # number of tensors in the group
 
+    def to_tuple(self) -> tuple:
+        """Plain-data form for RPCs that do not pickle (vLLM's msgpack between processes)."""
+        return (self.name, self.dtype, list(self.shape), self.offset, self.start, self.numel, self.group,
+                self.group_size)
+
+    @classmethod
+    def coerce(cls, e) -> "TensorSlice":
+        if isinstance(e, cls):
+            return e
+        name, dtype, shape, offset, start, numel, group, group_size = e
+        return cls(name, dtype, tuple(int(s) for s in shape), int(offset), int(start), int(numel), group,
+                   int(group_size))
+
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_from_name(self.dtype).itemsize
@@ -170,7 +183,7 @@ class BucketReceiver:
         until the buffer is refilled: load them before the next bucket arrives."""
         ready: List[Tuple[str, torch.Tensor]] = []
         in_buffer = set()
-        for e in bucket:
+        for e in map(TensorSlice.coerce, bucket):
             view = buffer[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype))
             if e.start == 0 and e.numel == e.total:
                 t = view.view(e.shape)

@@ -12,6 +12,7 @@ tensors themselves ("local"); the data path is the same views of the same buffer
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Dict, List
 
 import torch
@@ -47,8 +48,10 @@ class CudaIpcTransport:
             return {"kind": "local", "buffers": self.buffers, "nbytes": self.nbytes, "pid": os.getpid()}
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return {"kind": self.kind, "handles": [reduce_tensor(b) for b in self.buffers], "nbytes": self.nbytes,
-                "pid": os.getpid()}
+        # pickled here: vLLM's RPC between processes is msgpack and will not carry the rebuild
+        # function; the bytes go only from this trainer to its own engine
+        return {"kind": self.kind, "handles": [pickle.dumps(reduce_tensor(b)) for b in self.buffers],
+                "nbytes": self.nbytes, "pid": os.getpid()}
 
     def close(self) -> None:
         self.buffers = []
@@ -63,7 +66,8 @@ def attach(payload: Dict, device_index: int = None) -> List[torch.Tensor]:
     if device_index is None:
         device_index = torch.cuda.current_device()
     buffers = []
-    for rebuild, args in payload["handles"]:
+    for blob in payload["handles"]:
+        rebuild, args = pickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob
         args = list(args)
         args[_DEVICE_ARG] = device_index
         buffers.append(rebuild(*args))

@@ -18,8 +18,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from fastgrpo.sync.bucket import (DEFAULT_BUCKET_BYTES, bucket_nbytes, load_group, named_specs, pack_bucket,
-                                  plan_buckets)
+from fastgrpo.sync.bucket import (DEFAULT_BUCKET_BYTES, bucket_nbytes, dtype_name, load_group, named_specs,
+                                  pack_bucket, plan_buckets)
 
 Rpc = Callable[..., object]
 
@@ -86,7 +86,7 @@ class BucketedSender:
                 target = bufs[(k + 1) % len(bufs)]
                 if len(bufs) > 1:
                     nxt = self._pool.submit(_pack_and_wait, target, plan[k + 1], tensors, sync_dev)
-            self.rpc("fastgrpo_load_bucket", k % len(bufs), bucket)
+            self.rpc("fastgrpo_load_bucket", k % len(bufs), [e.to_tuple() for e in bucket])
             if nxt is not None:
                 nxt.result()
             elif k + 1 < len(plan):
@@ -148,8 +148,10 @@ def sync_by_reference(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtype
 
 
 def sync_per_parameter(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None,
-                       expected_names: Optional[Iterable[str]] = None) -> SyncStats:
-    """One engine call per parameter (TRL's colocated path); the benchmark baseline."""
+                       expected_names: Optional[Iterable[str]] = None, by_value: bool = False) -> SyncStats:
+    """One engine call per parameter (TRL's colocated path); the benchmark baseline. `by_value`
+    sends each tensor's bytes through the RPC, for an engine in another process (vLLM's msgpack
+    RPC cannot carry a tensor nested in the arguments)."""
     t0 = time.perf_counter()
     named = list(named)
     check_names([n for n, _ in named], expected_names)
@@ -161,7 +163,9 @@ def sync_per_parameter(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtyp
         t = t.detach()
         t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         nbytes += t.numel() * t.element_size()
-        rpc("fastgrpo_load_named", [(n, t, load_group(n), sizes[load_group(n)])])
+        payload = (dtype_name(t.dtype), list(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                   ) if by_value else t
+        rpc("fastgrpo_load_named", [(n, payload, load_group(n), sizes[load_group(n)])])
     left = rpc("fastgrpo_finish")
     if left:
         raise RuntimeError(f"weight sync ended with incomplete tensors on the engine: {left}")

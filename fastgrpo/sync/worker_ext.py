@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from fastgrpo.sync.bucket import BucketReceiver, TensorSlice
+from fastgrpo.sync.bucket import BucketReceiver, TensorSlice, dtype_from_name
 
 # reload_weights warns once per layer that a bucket does not touch ("Failed to load weights")
 # and lists every weight outside the bucket: expected with buckets, so silenced while loading.
@@ -39,6 +39,15 @@ def _quiet_reload():
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
+
+
+def _as_tensor(t):
+    """A tensor, or (dtype, shape, bytes) sent by value from another process."""
+    if isinstance(t, torch.Tensor):
+        return t
+    dtype, shape, data = t
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype_from_name(dtype)).view(tuple(shape))
 
 
 class FastGRPOWorkerExtension:
@@ -78,7 +87,7 @@ class FastGRPOWorkerExtension:
         """Per-parameter path (one call per tensor, as TRL does): the baseline of bench_sync."""
         if getattr(self, "_fastgrpo_receiver", None) is None:
             self._fastgrpo_receiver = BucketReceiver()
-        ready = self._fastgrpo_receiver.receive_named(items)
+        ready = self._fastgrpo_receiver.receive_named((n, _as_tensor(t), g, k) for n, t, g, k in items)
         self._fastgrpo_reload(ready)
         return len(ready)
 

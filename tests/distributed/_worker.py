@@ -4,8 +4,9 @@ single-process reference that replays every rank's rollouts on one model.
 Each rank makes its own synthetic rollouts (prompt/completion token ids, rewards → per-group
 z-score advantages), the backend rebalances them across ranks, packs them into the same
 number of micro-batches per rank, and trains `--steps` GRPO steps with fastgrpo's loss
-(token-mean over all ranks' tokens). Writes the final flat weights of this rank to
-<out>/rank<r>.pt (or <out>/reference.pt).
+(token-mean over all ranks' tokens). Writes the final flat weights of this rank (and
+the number of micro-batches of its last step) to <out>/<backend>_<stage>_<opt>_rank<r>.pt, or
+the replay's to <out>/reference_<opt>.pt.
 """
 import argparse
 import os
@@ -81,6 +82,30 @@ def flat_weights(backend: DistributedBackend) -> torch.Tensor:
     return torch.cat([v.flatten().float() for _, v in sorted(backend.full_state_dict().items())])
 
 
+def run_trainer(out_dir: str, stage: int, steps: int):
+    """fastgrpo's Trainer on the arithmetic task with `distributed.backend=deepspeed`. The reward
+    is the completion length (normalised): a random model earns no accuracy, and a reward that
+    varies inside a group is what makes the update non-zero."""
+    from fastgrpo.builders import build_task
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer import Trainer
+
+    cfg = load_config(overrides=[
+        f"steps={steps}", "sft_first=false", "rollout.engine=torch", "rollout.group_size=4",
+        "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "rewards.functions=[length]",
+        "rewards.weights=[1.0]", "algorithm.max_pass_rate=1.0", "optimizer.lr=0.01",
+        "distributed.backend=deepspeed", f"distributed.zero_stage={stage}", "packing.max_tokens=48",
+        f"logging.out_dir={out_dir}/trainer_run", "logging.tensorboard=false", "logging.plots=false",
+        "logging.progress=false", "checkpoint.at_end=false", "checkpoint.resume=none"])
+    task = build_task(cfg.data)
+    fns = task.reward_fns()
+    fns["length"] = lambda completions, answers=None: [min(len(c), 16) / 16 for c in completions]
+    task.reward_fns = lambda: fns
+    trainer = Trainer(cfg, task=task, log=lambda *_: None)
+    trainer.train()
+    return trainer.backend
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -100,11 +125,16 @@ def main():
             torch.save(flat_weights(backend), os.path.join(a.out, f"reference_{opt_name}.pt"))
         return 0
     for kind, stage, opt_name in configs:
+        if kind == "trainer":
+            backend = run_trainer(a.out, int(stage), a.steps)
+            torch.save({"w": flat_weights(backend), "steps": backend.engine.global_steps},
+                       os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
+            continue
         model, opt = build(opt_name)
         backend = DistributedBackend(model, opt, backend=kind, zero_stage=int(stage), max_grad_norm=1.0)
         n_micro = train(backend, a.steps, [backend.rank])
-        print(f"{kind}:{stage}:{opt_name} rank {backend.rank}: {n_micro} micro-batches in the last step", flush=True)
-        torch.save(flat_weights(backend), os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
+        torch.save({"w": flat_weights(backend), "micro": n_micro},
+                   os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
     shutdown()
     return 0
 

@@ -26,6 +26,8 @@ NOT_EQUIV = [
     ("<answer>x^2+2x+2</answer>", "(x+1)^2"),
     ("<answer>50%</answer>", "0.5"),
     ("<answer>2</answer>", "\\{2, 3\\}"),
+    ("<answer>2x</answer>", "2"),
+    ("<answer>3 x</answer>", "3"),
 ]
 
 
@@ -102,3 +104,14 @@ def test_bad_arguments():
         math_reward(["a", "b"], ["1"])
     with pytest.raises(ValueError, match="timeout"):
         math_reward(["a"], ["1"], timeout=0)
+
+
+def test_callable_from_a_trainer_thread(pool):
+    # Math-Verify's signal.alarm fails outside the main thread; the pool keeps it in workers.
+    import threading
+
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=math_reward(["<answer>1/2</answer>"], ["0.5"], pool=pool)))
+    t.start()
+    t.join(30)
+    assert out["r"] == [1.0]

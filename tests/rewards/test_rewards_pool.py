@@ -72,3 +72,18 @@ def test_worker_killed_while_idle_is_replaced(pool):
     res = pool.map(abs, [(-i,) for i in range(6)], timeout=5.0)
     assert [r.value for r in res] == list(range(6))
     assert victim not in pool.worker_pids() and len(pool.worker_pids()) == 2
+
+
+def test_forked_copy_refuses_work_and_does_not_stop_parent_workers(pool):
+    pid = os.fork()
+    if pid == 0:  # child: a copy of the pool without its dispatcher thread
+        code = 1
+        try:
+            pool.submit(abs, (1,), timeout=1.0)
+        except RuntimeError:
+            pool.close()
+            code = 0
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.map(abs, [(-5,)], timeout=5.0)[0].value == 5

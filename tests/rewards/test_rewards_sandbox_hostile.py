@@ -116,3 +116,12 @@ def test_kill_parent(check):
     code = f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill({os.getpid()}, signal.SIGKILL)"
     check(code)
     assert psutil.Process().is_running()
+
+
+def test_disk_filler_is_capped(check):
+    check("for i in range(64):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))")
+
+
+def test_cwd_is_private_and_writable(pool):
+    code = "import os\nopen('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\nCWD = os.getcwd()"
+    assert run_one(pool, code, "assert add(1, 2) == 3\nassert os.access(CWD, os.W_OK)")[0] == 1.0

@@ -88,3 +88,7 @@ def test_reward_manager_with_arithmetic_demo_format(pool):
     assert pool.map(abs, [(-1,)], timeout=5.0)[0].value == 1
     with pytest.raises(ValueError, match="answers"):
         mgr.score(comps)
+    with pytest.raises(ValueError, match="options"):
+        RewardManager({"math": 1.0}, options={"format": {"strict": False}}, pool=pool)
+    with pytest.raises(ValueError, match="weights"):
+        RewardManager({"mathh": 1.0}, pool=pool)

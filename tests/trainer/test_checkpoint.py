@@ -18,7 +18,7 @@ from trainer_helpers import NoisyTask
 def test_kill9_mid_save_leaves_loadable_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     saver = os.path.join(os.path.dirname(__file__), "_saver.py")
-    for delay in (0.7, 1.1, 1.6):
+    for delay in (0.6, 1.3):
         proc = subprocess.Popen([sys.executable, saver, out], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(delay)

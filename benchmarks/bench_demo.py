@@ -1,0 +1,102 @@
+"""The embedded demo as a benchmark: held-out accuracy before / after GRPO and wall time of
+`fastgrpo train` with no arguments, plus the rollout-engine comparison behind its default.
+
+Part 1 (engines): seconds per GRPO step of the demo config with the built-in torch engine and
+with vLLM (when installed), side by side in one process: median / p20 / p80 over `--steps`
+steps after one warm-up step, with `timing/rollout` and `timing/sync` medians. The no-SFT
+policy of step 0 emits full-length completions, so both engines decode the same number of
+tokens per step (the cost floor is G·prompts·max_new_tokens decode positions).
+
+Part 2 (demo): `run_default()` `--repeats` times (seeds 0, 1, …): accuracy at the SFT checkpoint,
+after RL, the lift in points, and wall seconds; a median row at the end. Target of the issue:
+lift ≥ 15 points within 600 s on 2 CPU cores.
+
+    python -m benchmarks.bench_demo                      # engines + 5 demo runs
+    python -m benchmarks.bench_demo --repeats 1 --steps 5 --set steps=300
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from benchmarks.harness import Bench, Stats, _quantile
+
+
+def _stats(samples):
+    return Stats(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8), samples)
+
+
+def bench_engines(bench: Bench, steps: int, overrides) -> None:
+    from fastgrpo.builders import vllm_available
+    from fastgrpo.demo.default import default_config
+    from fastgrpo.trainer import Trainer
+
+    engines = ["torch"] + (["vllm"] if vllm_available() else [])
+    for engine in engines:
+        with tempfile.TemporaryDirectory() as out:
+            cfg = default_config(list(overrides) + [f"rollout.engine={engine}", "sft_first=false", "logging.progress=false",
+                                                    "logging.tensorboard=false", "checkpoint.every=0",
+                                                    "checkpoint.at_end=false", f"steps={steps + 1}"], out_dir=out)
+            t0 = time.perf_counter()
+            trainer = Trainer(cfg, log=lambda m: None)
+            start_s = time.perf_counter() - t0
+            rows = []
+            try:
+                trainer.train(on_step=lambda s, m: rows.append(m))
+            finally:
+                trainer.close()
+            rows = rows[1:]  # warm-up step left out
+            bench.add(case=f"grpo step, engine={engine}",
+                      shape=f"G={cfg.rollout.group_size},prompts={cfg.rollout.prompts_per_step},new<={cfg.rollout.max_new_tokens}",
+                      stats=_stats([r["timing/step"] for r in rows]),
+                      extra={"rollout_ms": 1e3 * statistics.median(r["timing/rollout"] for r in rows),
+                             "sync_ms": 1e3 * statistics.median(r["timing/sync"] for r in rows),
+                             "tok_per_s": statistics.median(r["perf/throughput"] for r in rows),
+                             "engine_start_s": start_s})
+
+
+def bench_demo(bench: Bench, repeats: int, overrides) -> None:
+    from fastgrpo.demo.default import run_default
+
+    lifts, walls, befores, afters = [], [], [], []
+    for seed in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            t0 = time.perf_counter()
+            s = run_default(out_dir=out, overrides=list(overrides) + [f"seed={seed}", "logging.progress=false"])
+            wall = time.perf_counter() - t0
+        lift = 100 * (s["accuracy_after"] - s["accuracy_before"])
+        befores.append(s["accuracy_before"])
+        afters.append(s["accuracy_after"])
+        lifts.append(lift)
+        walls.append(wall)
+        bench.add(case=f"demo seed={seed}", shape="fastgrpo train (defaults)",
+                  extra={"acc_sft": s["accuracy_before"], "acc_rl": s["accuracy_after"], "lift_pts": lift,
+                         "wall_s": wall, "rl_s": s["rl_s"]})
+    if repeats > 1:
+        bench.add(case=f"demo median of {repeats}", shape="fastgrpo train (defaults)",
+                  extra={"acc_sft": statistics.median(befores), "acc_rl": statistics.median(afters),
+                         "lift_pts": statistics.median(lifts), "wall_s": statistics.median(walls)})
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="demo runs (seeds 0..repeats-1)")
+    p.add_argument("--steps", type=int, default=5, help="timed GRPO steps per engine")
+    p.add_argument("--skip-engines", action="store_true")
+    p.add_argument("--skip-demo", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1:
+        raise ValueError("--repeats and --steps: expected integers >= 1")
+    bench = Bench("demo")
+    if not args.skip_engines:
+        bench_engines(bench, args.steps, args.overrides)
+    if not args.skip_demo:
+        bench_demo(bench, args.repeats, args.overrides)
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()

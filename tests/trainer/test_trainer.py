@@ -1,0 +1,129 @@
+"""Trainer behaviour on bad input: non-finite loss skips the update (weights untouched) and
+stops the run after max_nan_skips; a reward function that raises is reported with the prompt id
+and scored as configured; the run folder holds metrics.jsonl, TensorBoard events and plots."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from trainer_helpers import NoisyTask
+
+from fastgrpo.metrics import nvtx_range, set_nvtx
+from fastgrpo.pipeline import run_train
+from fastgrpo.trainer import Trainer, TrainingStopped
+
+
+def _poison_when_training(model, steps_to_poison):
+    """Forward hook: NaN hidden states during the update of the given trainer steps (rollouts
+    run the model in eval mode and stay finite)."""
+    state = {"step": 0}
+
+    def hook(module, args, out):
+        if module.training and state["step"] in steps_to_poison:
+            return out * float("nan")
+        return out
+
+    model.model.norm.register_forward_hook(hook)
+    return state
+
+
+def test_nan_loss_skips_update_then_stops(cfg_factory):
+    msgs = []
+    t = Trainer(cfg_factory("steps=5", "max_nan_skips=2"), task=NoisyTask(), log=msgs.append)
+    state = _poison_when_training(t.backend.module, {1, 3})
+    before = {k: v.clone() for k, v in t.backend.module.state_dict().items()}
+    state["step"] = 1
+    logs = t.step()
+    assert logs["train/skipped"] == 1.0 and t.nan_skips == 1
+    for k, v in t.backend.module.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed although the update was skipped"
+    assert all(torch.isfinite(p).all() for p in t.backend.module.parameters())
+    state["step"] = 2
+    logs = t.step()
+    assert "train/skipped" not in logs and any(not torch.equal(v, before[k]) for k, v in t.backend.module.state_dict().items())
+    state["step"] = 3
+    with pytest.raises(TrainingStopped, match="max_nan_skips=2"):
+        t.step()
+    assert any("non-finite" in m and "skipped" in m for m in msgs)
+    t.close()
+
+
+def test_reward_exception_reported_with_prompt_id(cfg_factory):
+    msgs = []
+    t = Trainer(cfg_factory("steps=2", "rewards.error_score=-1.0"), task=NoisyTask(fail_even=True), log=msgs.append)
+    t.train()
+    errs = [m for m in msgs if "reward error" in m]
+    assert errs and t.reward_errors == len(errs)
+    by_id = {p.id: p for p in t.task.train}
+    for m in errs:
+        pid = int(m.split("prompt id ")[1].split(":")[0])
+        assert int(by_id[pid].answer) % 2 == 0, m  # only the prompts the verifier fails on
+        assert "verifier crashed" in m
+    rows = [json.loads(x) for x in open(os.path.join(t.cfg.logging.out_dir, "metrics.jsonl"))]
+    assert rows[-1]["train/reward_errors"] == t.reward_errors
+    assert rows[-1]["reward/format/mean"] < 0.5  # failing groups scored error_score = -1
+    t.close()
+
+
+def test_reward_drop_mode_drops_failing_groups(cfg_factory):
+    t = Trainer(cfg_factory("steps=1", "rewards.on_error=drop"), task=NoisyTask(fail_even=True), log=lambda m: None)
+    problems = t.curriculum.sample(4)
+    groups = t._rollout(problems)
+    per_fn, dropped = t._score(problems, groups)
+    assert dropped == {i for i, p in enumerate(problems) if int(p.answer) % 2 == 0}
+    _, _, keep, _ = t._advantages(problems, per_fn, dropped)
+    assert not any(keep[i] for i in dropped)
+    t.close()
+
+
+def test_pipeline_writes_metrics_events_plots_checkpoint(cfg_factory, tmp_path):
+    out = tmp_path / "run"
+    cfg = cfg_factory("sft_first=true", "logging.tensorboard=true", "logging.plots=true", "checkpoint.at_end=true",
+                      f"logging.out_dir={out}")
+    summary = run_train(cfg, log=lambda m: None)
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    assert [s for s, _ in evals] == [0, 2]  # SFT checkpoint and end of GRPO
+    assert summary["accuracy_before"] == evals[0][1] and summary["accuracy_after"] == evals[1][1]
+    steps = [r for r in rows if "timing/rollout" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward/mean", "reward/accuracy/mean", "train/zero_std_frac", "completion/length_mean",
+                "completion/truncation_rate", "perf/throughput", "timing/reward", "timing/update", "timing/sync",
+                "timing/old_logp", "train/pass_rate_hist"):
+        assert key in steps[-1], key
+    assert steps[-1]["perf/throughput"] > 0
+    assert glob.glob(str(out / "tb" / "events.out.tfevents.*"))
+    pngs = sorted(os.path.basename(p) for p in glob.glob(str(out / "plots" / "*.png")))
+    assert pngs == ["accuracy.png", "kl.png", "length.png", "reward.png"]
+    assert os.path.isdir(out / "checkpoints" / "step-00000002" / "model")
+    assert os.path.isdir(out / "sft" / "model")
+
+
+def test_nvtx_range_runs_when_enabled():
+    set_nvtx(True)
+    try:
+        with nvtx_range("rollout"):
+            x = 1
+    finally:
+        set_nvtx(None)
+    assert x == 1
+
+
+def test_cli_smoke_two_steps(tmp_path):
+    from trainer_helpers import TINY
+
+    out = tmp_path / "cli"
+    args = [sys.executable, "-m", "fastgrpo.cli", "train", "--out", str(out), "--nvtx"]
+    for item in TINY + ["sft_first=true", "logging.plots=true"]:
+        args += ["--set", item]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out accuracy" in proc.stdout
+    summary = json.load(open(out / "summary.json"))
+    assert summary["steps"] == 2 and "accuracy_after" in summary
+    bad = subprocess.run([sys.executable, "-m", "fastgrpo.cli", "train", "--set", "optimizer.lrr=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "optimizer.lrr" in bad.stderr
