@@ -95,6 +95,33 @@ def main(argv=None) -> int:
     eng.close()
     del eng
 
+    # the same two paths with vLLM's engine core in its own process: only bucket metadata
+    # crosses the RPC on the shm path; the per-parameter path must send every tensor's bytes
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    mp_eng = VLLMEngine(model, tok, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
+                        kv_cache_bytes=64 << 20, bucket_bytes=a.bucket_mib << 20)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    mp_cases = {"xproc sync bucketed shm (2 buffers)": lambda: mp_eng.update_weights(model),
+                "xproc sync per-parameter (by value)": lambda: mp_eng.sync_per_parameter(model)}
+    for fn in mp_cases.values():
+        fn()
+    mp_samples = {c: [] for c in mp_cases}
+    for _ in range(a.repeats):
+        for c, fn in mp_cases.items():
+            mp_samples[c].append(time_fn(fn, repeats=1, warmup=0).median_s)
+    mp_stats = {c: _stats(v) for c, v in mp_samples.items()}
+    mp_base = mp_stats["xproc sync per-parameter (by value)"].median_s
+    for c, st in mp_stats.items():
+        bucketed = "bucketed" in c
+        extra = {"calls": len(mp_eng._sender._plan) if bucketed else len(list(model.parameters())),
+                 "GB/s": nbytes / st.median_s / 1e9}
+        if bucketed:
+            speedup = mp_base / st.median_s
+            extra.update(speedup=speedup, target=">=3x " + ("PASS" if speedup >= 3 else "FAIL"))
+        bench.add(c, shape, st, extra=extra)
+    mp_eng.close()
+    del mp_eng
+
     tiny, tok = build_tiny_model("qwen2", seed=0)
     gen_eng = VLLMEngine(tiny, tok, dtype=torch.float32, max_model_len=256, max_num_seqs=a.prompts * a.group,
                          kv_cache_bytes=64 << 20)

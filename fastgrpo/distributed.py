@@ -132,9 +132,9 @@ def init_distributed(backend: str = "deepspeed", timeout_s: float = 600.0) -> Di
             if env.world_size == 1 and not is_initialized():
                 # not launched: a one-process group on a free local port, instead of
                 # DeepSpeed's MPI discovery (which fails without mpirun)
-                kw = dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-            deepspeed.init_distributed(dist_backend=comm, timeout=timedelta(seconds=timeout_s), verbose=False,
-                                       auto_mpi_discovery=False, **kw)
+                kw = dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                          auto_mpi_discovery=False)
+            deepspeed.init_distributed(dist_backend=comm, timeout=timedelta(seconds=timeout_s), verbose=False, **kw)
     elif not is_initialized():
         dist.init_process_group(comm, timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank(), world_size(), env.local_rank)
@@ -429,6 +429,30 @@ class DistributedBackend:
             self.optimizer.zero_grad(set_to_none=True)
         self._last_grad_norm = norm
         return norm
+
+    def discard_gradients(self) -> None:
+        """Drop everything accumulated since the last `step()` without updating (a skipped
+        step: non-finite loss). Zeroing `.grad` is not enough under ZeRO: stages 1–3 keep the
+        reduced gradient partitions in their own buffers, which the next step would apply."""
+        if self.kind != "deepspeed" or self.zero_stage == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        opt = self.engine.optimizer
+        opt.zero_grad(set_to_none=True)
+        # the same buffers ZeRO's own overflow path (a skipped fp16 step) clears
+        for name in ("averaged_gradients", "all_grad_tensors"):
+            buf = getattr(opt, name, None)
+            if isinstance(buf, dict):
+                for k in buf:
+                    buf[k] = None
+            elif isinstance(buf, list):
+                buf.clear()
+        if hasattr(opt, "_release_preflattened_grad_buffers"):
+            opt._release_preflattened_grad_buffers()
+        if self.zero_stage in (1, 2):  # stage 3's zero_grad resets its own counter
+            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+            opt.micro_step_id = INITIAL_MICRO_STEP_ID
 
     # -- weights ---------------------------------------------------------------------------
     @contextlib.contextmanager

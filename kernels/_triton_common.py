@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +108,23 @@ def autotuned(restore_value=None):
                                prune_configs_by={"early_config_prune": _prune},
                                restore_value=restore_value)(fn)
     return deco
+
+
+def split_inv_temp(temperature: float):
+    """1/τ as an fp32 pair (hi, lo) with hi + lo = 1/τ to ~2^-48: compiled Triton passes Python
+    floats as fp32, which would cap the fp64 (oracle-grade) path at fp32 accuracy for τ ≠ 1."""
+    inv = 1.0 / float(temperature)
+    hi = float(np.float32(inv))
+    return hi, float(np.float32(inv - hi))
+
+
+@triton.jit
+def load_scale(inv_temp, inv_temp_lo, FP64: tl.constexpr):
+    """The 1/τ the kernels multiply by: fp32 hi part, or hi + lo in fp64."""
+    scale = inv_temp
+    if FP64:
+        scale = inv_temp.to(tl.float64) + inv_temp_lo.to(tl.float64)
+    return scale
 
 
 def grid_rows(n_rows: int):

@@ -26,7 +26,7 @@ import triton.language as tl
 from .common import LossConfig, LossOutput, check_cu_seqlens
 from .logprobs import token_logprobs_fwd
 from .torch_loss import loss_from_logprobs
-from ._triton_common import autotuned, grid_rows, row_major_logits, row_tile
+from ._triton_common import autotuned, grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
 
 
 @autotuned(restore_value=["grad_ptr"])
@@ -43,22 +43,24 @@ def _grpo_loss_bwd_kernel(
     stride_gn,  # row stride of grad, in elements
     n_rows,  # N
     n_cols,  # V
-    inv_temp,  # 1/τ
+    inv_temp,  # 1/τ (fp32 part), runtime: a new temperature does not recompile
+    inv_temp_lo,  # 1/τ − inv_temp, the fp32 remainder used by the fp64 path
     HAS_H: tl.constexpr,  # entropy term present (α ≠ 0)
     FP64: tl.constexpr,  # compute in fp64 (fp64 logits)
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_V: tl.constexpr,  # vocabulary columns per step
 ):
     acc_t = tl.float64 if FP64 else tl.float32
+    scale = load_scale(inv_temp, inv_temp_lo, FP64)
     pid = tl.program_id(0)
     rows, row_ok, rows_c = row_tile(pid, n_rows, BLOCK_N)
     row_ptr = logits_ptr + rows_c * stride_n
     out_ptr = grad_ptr + rows_c * stride_gn
-    g = tl.load(g_ptr + rows_c).to(acc_t) * inv_temp
+    g = tl.load(g_ptr + rows_c).to(acc_t) * scale
     lse = tl.load(lse_ptr + rows_c).to(acc_t)
     tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
     if HAS_H:
-        h = tl.load(h_ptr + rows_c).to(acc_t) * inv_temp
+        h = tl.load(h_ptr + rows_c).to(acc_t) * scale
         ent = tl.load(ent_ptr + rows_c).to(acc_t)
         active = tl.max(tl.abs(g) + tl.abs(h), 0) > 0
     else:
@@ -67,7 +69,7 @@ def _grpo_loss_bwd_kernel(
         for v0 in range(0, n_cols, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t) * inv_temp
+            x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t) * scale
             logq = x - lse[:, None]
             p = tl.exp(logq)
             grad = -g[:, None] * p
@@ -96,9 +98,9 @@ def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
         return out
     has_h = h is not None
     _grpo_loss_bwd_kernel[grid_rows(n)](
-        logits, out, targets, lse, g.contiguous(), h.contiguous() if has_h else g,
-        entropy if has_h else lse,
-        logits.stride(0), out.stride(0), n, v, 1.0 / float(temperature),
+        logits, out, targets.contiguous(), lse.contiguous(), g.contiguous(), h.contiguous() if has_h else g,
+        entropy.contiguous() if has_h else lse,
+        logits.stride(0), out.stride(0), n, v, *split_inv_temp(temperature),
         HAS_H=has_h, FP64=logits.dtype == torch.float64,
     )
     return out

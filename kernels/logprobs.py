@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import autotuned, grid_rows, online_lse_update, row_major_logits, row_tile
+from ._triton_common import (
+    autotuned, grid_rows, load_scale, online_lse_update, row_major_logits, row_tile, split_inv_temp)
 
 
 @autotuned()
@@ -31,13 +32,15 @@ def _token_logprobs_fwd_kernel(
     stride_n,  # row stride of logits, in elements
     n_rows,  # N
     n_cols,  # V
-    inv_temp,  # 1/τ, runtime so that a new temperature does not recompile
+    inv_temp,  # 1/τ (fp32 part), runtime so that a new temperature does not recompile
+    inv_temp_lo,  # 1/τ − inv_temp, the fp32 remainder used by the fp64 path
     HAS_ENT: tl.constexpr,  # write the entropy
     FP64: tl.constexpr,  # accumulate in fp64 (fp64 logits) instead of fp32
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_V: tl.constexpr,  # vocabulary columns per step
 ):
     acc_t = tl.float64 if FP64 else tl.float32
+    scale = load_scale(inv_temp, inv_temp_lo, FP64)
     pid = tl.program_id(0)
     rows, row_ok, rows_c = row_tile(pid, n_rows, BLOCK_N)
     row_ptr = logits_ptr + rows_c * stride_n
@@ -47,11 +50,11 @@ def _token_logprobs_fwd_kernel(
     for v0 in range(0, n_cols, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = (cols < n_cols)[None, :]
-        x = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok, other=float("-inf")).to(acc_t) * inv_temp
+        x = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok, other=float("-inf")).to(acc_t) * scale
         m, s, t = online_lse_update(x, m, s, t)
     lse = m + tl.log(s)
     tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
-    xt = tl.load(logits_ptr + rows_c * stride_n + tgt).to(acc_t) * inv_temp
+    xt = tl.load(logits_ptr + rows_c * stride_n + tgt).to(acc_t) * scale
     tl.store(logp_ptr + rows, xt - lse, mask=row_ok)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     if HAS_ENT:
@@ -71,8 +74,8 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, temperature:
     if n == 0:
         return logp, lse, (ent if need_entropy else None)
     _token_logprobs_fwd_kernel[grid_rows(n)](
-        logits, targets, logp, lse, ent,
-        logits.stride(0), n, v, 1.0 / float(temperature),
+        logits, targets.contiguous(), logp, lse, ent,
+        logits.stride(0), n, v, *split_inv_temp(temperature),
         HAS_ENT=need_entropy, FP64=logits.dtype == torch.float64,
     )
     return logp, lse, (ent if need_entropy else None)

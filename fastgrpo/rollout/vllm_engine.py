@@ -194,6 +194,9 @@ class VLLMEngine(RolloutEngine):
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
             self._sender = None
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()             # stops the engine-core process when there is one
         self.llm = None
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from fastgrpo import checkpoint as ckpt
@@ -15,29 +16,34 @@ from fastgrpo.trainer import Trainer
 from trainer_helpers import NoisyTask
 
 
-def test_kill9_mid_save_leaves_loadable_checkpoint(tmp_path):
+def _check_all_complete_load(out):
+    complete = ckpt.list_checkpoints(out)
+    assert complete, f"no complete checkpoint left; found {os.listdir(ckpt.ckpt_root(out))}"
+    for path in complete:  # every directory that looks complete must load, untorn
+        model = torch.nn.Linear(256, 256)
+        state = ckpt.load_checkpoint(path, model, restore_rng=False)
+        step = state["step"]
+        assert torch.all(model.weight == step) and torch.all(state["extra"]["big"] == step), path
+    return complete
+
+
+@pytest.mark.parametrize("mode", ["loop", "state", "rename", "prune"])
+def test_kill9_mid_save_leaves_loadable_checkpoint(tmp_path, mode):
     out = str(tmp_path / "run")
     saver = os.path.join(os.path.dirname(__file__), "_saver.py")
-    for delay in (0.6, 1.3):
-        proc = subprocess.Popen([sys.executable, saver, out], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
+    proc = subprocess.Popen([sys.executable, saver, out, mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    if mode == "loop":
+        time.sleep(1.0)  # a random moment: usually inside a save, since saving is all it does
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        names = os.listdir(ckpt.ckpt_root(out))
-        complete = ckpt.list_checkpoints(out)
-        assert complete, f"no complete checkpoint after kill -9; found {names}"
-        for path in complete:  # every directory that looks complete must load, untorn
-            model = torch.nn.Linear(256, 256)
-            state = ckpt.load_checkpoint(path, model, restore_rng=False)
-            step = state["step"]
-            assert torch.all(model.weight == step) and torch.all(state["extra"]["big"] == step), path
-    # the next save cleans the killed writer's temp directory and keeps the newest good one
-    latest = ckpt.latest_checkpoint(out)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    complete = _check_all_complete_load(out)
+    if mode != "loop":
+        # killed while writing step 3: step 2 (keep_last=1) must be the survivor
+        assert os.path.basename(complete[-1]) == ("step-00000003" if mode == "prune" else "step-00000002")
+    # the next save cleans the dead writer's temp / trash directories and prunes
     ckpt.save_checkpoint(out, 10 ** 6, torch.nn.Linear(2, 2), keep_last=1)
-    left = os.listdir(ckpt.ckpt_root(out))
-    assert left == ["step-01000000"], left
-    assert latest is not None
+    assert os.listdir(ckpt.ckpt_root(out)) == ["step-01000000"]
 
 
 def test_prune_keeps_last_k_and_ignores_incomplete(tmp_path):
