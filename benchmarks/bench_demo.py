@@ -2,10 +2,11 @@
 `fastgrpo train` with no arguments, plus the rollout-engine comparison behind its default.
 
 Part 1 (engines): seconds per GRPO step of the demo config with the built-in torch engine and
-with vLLM (when installed), side by side in one process: median / p20 / p80 over `--steps`
-steps after one warm-up step, with `timing/rollout` and `timing/sync` medians. The no-SFT
-policy of step 0 emits full-length completions, so both engines decode the same number of
-tokens per step (the cost floor is G·prompts·max_new_tokens decode positions).
+with vLLM (when installed), side by side in one process, both starting from the same SFT
+checkpoint: median / p20 / p80 over `--steps` steps after one warm-up step, with the
+`timing/rollout`, `timing/update` and `timing/sync` medians and the engine start-up time. Cost
+floor of a rollout: G·prompts decode steps of ≤ max_new_tokens positions each (the tiny model
+is latency-bound, so per-step overhead, not FLOPs, decides).
 
 Part 2 (demo): `run_default()` `--repeats` times (seeds 0, 1, …): accuracy at the SFT checkpoint,
 after RL, the lift in points, and wall seconds; a median row at the end. Target of the issue:
@@ -29,18 +30,27 @@ def _stats(samples):
 
 
 def bench_engines(bench: Bench, steps: int, overrides) -> None:
-    from fastgrpo.builders import vllm_available
+    import copy
+
+    from fastgrpo.builders import build_model, build_task, vllm_available
     from fastgrpo.demo.default import default_config
-    from fastgrpo.trainer import Trainer
+    from fastgrpo.sft import run_sft
+    from fastgrpo.trainer import Trainer, seed_everything
 
     engines = ["torch"] + (["vllm"] if vllm_available() else [])
+    base = default_config(list(overrides) + ["logging.progress=false", "logging.tensorboard=false",
+                                             "checkpoint.every=0", "checkpoint.at_end=false", f"steps={steps + 1}"])
+    seed_everything(base.seed)
+    model, tok = build_model(base.model)
+    task = build_task(base.data)
+    run_sft(base, model, tok, task)  # the SFT checkpoint: realistic completions, and rewards that vary
     for engine in engines:
         with tempfile.TemporaryDirectory() as out:
-            cfg = default_config(list(overrides) + [f"rollout.engine={engine}", "sft_first=false", "logging.progress=false",
+            cfg = default_config(list(overrides) + [f"rollout.engine={engine}", "logging.progress=false",
                                                     "logging.tensorboard=false", "checkpoint.every=0",
                                                     "checkpoint.at_end=false", f"steps={steps + 1}"], out_dir=out)
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, log=lambda m: None)
+            trainer = Trainer(cfg, copy.deepcopy(model), tok, task, log=lambda m: None)
             start_s = time.perf_counter() - t0
             rows = []
             try:
@@ -52,6 +62,7 @@ def bench_engines(bench: Bench, steps: int, overrides) -> None:
                       shape=f"G={cfg.rollout.group_size},prompts={cfg.rollout.prompts_per_step},new<={cfg.rollout.max_new_tokens}",
                       stats=_stats([r["timing/step"] for r in rows]),
                       extra={"rollout_ms": 1e3 * statistics.median(r["timing/rollout"] for r in rows),
+                             "update_ms": 1e3 * statistics.median(r["timing/update"] for r in rows),
                              "sync_ms": 1e3 * statistics.median(r["timing/sync"] for r in rows),
                              "tok_per_s": statistics.median(r["perf/throughput"] for r in rows),
                              "engine_start_s": start_s})

@@ -54,7 +54,7 @@ class FastgrpoStepper:
             "logging.progress=false", "checkpoint.at_end=false", "checkpoint.every=0", "checkpoint.resume=none",
         ])
         self.trainer = Trainer(cfg, log=lambda *_: None)
-        self.times, self.tokens = [], []
+        self.times, self.tokens, self.phases = [], [], {}
 
     def step(self, record: bool = True):
         t0 = time.perf_counter()
@@ -63,6 +63,9 @@ class FastgrpoStepper:
         if record:
             self.times.append(dt)
             self.tokens.append(logs["perf/throughput"] * logs["timing/step"])  # prompt + completion tokens
+            for k, v in logs.items():
+                if k.startswith("timing/") and k != "timing/step":
+                    self.phases.setdefault(k, []).append(v)
 
 
 def _trl_parts(a):
@@ -155,16 +158,20 @@ def main(argv=None):
                   extra={"s_per_step": round(st.median_s, 3), "tokens_per_s": round(tps, 1),
                          "speedup_vs_trl": round(base_s / st.median_s, 2)})
 
+    phases = {}
     with tempfile.TemporaryDirectory() as d:
         fast = FastgrpoStepper(a, d)
         for case, drop_in in pairs:
-            fast.times, fast.tokens = [], []
+            fast.times, fast.tokens, fast.phases = [], [], {}
             times, tokens = run_trl(a, d, drop_in, fast)
             base = statistics.median(times)
             add(f"fastgrpo Trainer (interleaved with {case})", fast.times, fast.tokens, base)
             add(case, times, tokens, base)
+            phases.update({f"{k} (vs {case})": statistics.median(v) for k, v in fast.phases.items()})
         fast.trainer.close()
     bench.finish()
+    # where fastgrpo's step goes (its own phase timers, medians): the figure to read the ratio by
+    print("fastgrpo phases, median s: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(phases.items())))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,10 @@ def config():
 def ours(inp, inplace=False):
     from fastgrpo.loss import grpo_loss
 
-    out = grpo_loss(inp["logits"], inp["targets"], inp["adv"], mask=inp["mask"], old_logp=inp["old"],
+    logits = inp["logits"]
+    if inplace:  # in place applies to activations, not leaves: a view stands for the lm_head output
+        logits = logits.view_as(logits)
+    out = grpo_loss(logits, inp["targets"], inp["adv"], mask=inp["mask"], old_logp=inp["old"],
                     ref_logp=inp["ref"], cu_seqlens=inp["cu"], config=config(), impl="triton",
                     inplace_backward=inplace)
     return out.loss

@@ -137,6 +137,8 @@ def main(argv=None):
         for _ in range(args.repeats):
             for case in cases:
                 samples[case] += time_fn(lambda: step(case, p), repeats=1, warmup=0).samples
+        nbytes = 3 * n * v * p["logits"].element_size()
+        del p  # free the timing inputs before the memory children allocate their own
         results = {}
         for case in cases:
             xs = samples[case]
@@ -147,7 +149,6 @@ def main(argv=None):
             results[case] = (st, mem)
             print(f"{shape} {case}: {st.median_s * 1e3:.1f} ms, peak {mem} MiB", file=sys.stderr, flush=True)
         base_t, base_m = results.get("trl", (None, None))
-        nbytes = 3 * n * v * p["logits"].element_size()
         for case, (st, mem) in results.items():
             extra = {"floor_GBps": nbytes / st.median_s / 1e9}
             if base_t is not None:
@@ -155,7 +156,6 @@ def main(argv=None):
                 if mem is not None and base_m:
                     extra["mem_vs_trl"] = mem / base_m
             bench.add(case=case, shape=shape, stats=st, peak_mb=mem, extra=extra)
-        del p
     bench.finish()
 
 

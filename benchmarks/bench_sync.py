@@ -67,58 +67,28 @@ def main(argv=None) -> int:
     eng = VLLMEngine(model, tok, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
                      kv_cache_bytes=64 << 20, bucket_bytes=a.bucket_mib << 20)
     bench = Bench("sync")
+    n_calls = len(list(model.parameters()))
 
     def by_reference():
         sync_by_reference(eng.rpc, model.named_parameters(), torch.float32, a.bucket_mib << 20, eng.expected_names)
         eng.llm.reset_prefix_cache()
 
-    # interleaved rounds: the machine is shared, so each round times the three paths back to back
-    cases = {"sync bucketed shm (2 buffers)": lambda: eng.update_weights(model),
-             "sync bucketed by reference": by_reference,
-             "sync per-parameter (TRL-style)": lambda: eng.sync_per_parameter(model)}
-    for fn in cases.values():
-        fn()                                         # warm-up
-    samples = {c: [] for c in cases}
-    for _ in range(a.repeats):
-        for c, fn in cases.items():
-            samples[c].append(time_fn(fn, repeats=1, warmup=0).median_s)
-    stats = {c: _stats(v) for c, v in samples.items()}
-    base = stats["sync per-parameter (TRL-style)"].median_s
-    calls = {"sync bucketed shm (2 buffers)": len(eng._sender._plan), "sync bucketed by reference":
-             len(eng._sender._plan), "sync per-parameter (TRL-style)": len(list(model.parameters()))}
-    for c, st in stats.items():
-        extra = {"calls": calls[c], "GB/s": nbytes / st.median_s / 1e9}
-        if c != "sync per-parameter (TRL-style)":
-            speedup = base / st.median_s
-            extra.update(speedup=speedup, target=">=3x " + ("PASS" if speedup >= 3 else "FAIL"))
-        bench.add(c, shape, st, extra=extra)
+    _section(bench, eng, shape, nbytes, a.repeats, "", {
+        "bucketed shm (2 buffers)": (lambda: eng.update_weights(model), None),
+        "bucketed by reference": (by_reference, None),
+        "per-parameter (TRL-style)": (lambda: eng.sync_per_parameter(model), n_calls)})
     eng.close()
     del eng
 
-    # the same two paths with vLLM's engine core in its own process: only bucket metadata
-    # crosses the RPC on the shm path; the per-parameter path must send every tensor's bytes
+    # the same paths with vLLM's engine core in its own process: only bucket metadata crosses
+    # the RPC on the shm path; the per-parameter path must send every tensor's bytes
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     mp_eng = VLLMEngine(model, tok, dtype=torch.float32, max_model_len=256, max_num_seqs=8,
                         kv_cache_bytes=64 << 20, bucket_bytes=a.bucket_mib << 20)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    mp_cases = {"xproc sync bucketed shm (2 buffers)": lambda: mp_eng.update_weights(model),
-                "xproc sync per-parameter (by value)": lambda: mp_eng.sync_per_parameter(model)}
-    for fn in mp_cases.values():
-        fn()
-    mp_samples = {c: [] for c in mp_cases}
-    for _ in range(a.repeats):
-        for c, fn in mp_cases.items():
-            mp_samples[c].append(time_fn(fn, repeats=1, warmup=0).median_s)
-    mp_stats = {c: _stats(v) for c, v in mp_samples.items()}
-    mp_base = mp_stats["xproc sync per-parameter (by value)"].median_s
-    for c, st in mp_stats.items():
-        bucketed = "bucketed" in c
-        extra = {"calls": len(mp_eng._sender._plan) if bucketed else len(list(model.parameters())),
-                 "GB/s": nbytes / st.median_s / 1e9}
-        if bucketed:
-            speedup = mp_base / st.median_s
-            extra.update(speedup=speedup, target=">=3x " + ("PASS" if speedup >= 3 else "FAIL"))
-        bench.add(c, shape, st, extra=extra)
+    mp_cases = {"bucketed shm (2 buffers)": (lambda: mp_eng.update_weights(model), None),
+                "per-parameter (by value)": (lambda: mp_eng.sync_per_parameter(model), n_calls)}
+    _section(bench, mp_eng, shape, nbytes, a.repeats, "xproc ", mp_cases)
     mp_eng.close()
     del mp_eng
 
@@ -138,6 +108,30 @@ def main(argv=None) -> int:
     bench.finish()
     gen_eng.close()
     return 0
+
+
+def _section(bench, eng, shape, nbytes, repeats, prefix, cases):
+    """Time every case with the engine's reload on, then transport only (reload skipped), in
+    interleaved rounds (the machine is shared: each round runs the cases back to back)."""
+    for loading in (True, False):
+        eng.rpc("fastgrpo_set_loading", loading)
+        for fn, _ in cases.values():
+            fn()                                     # warm-up
+        samples = {c: [] for c in cases}
+        for _ in range(repeats):
+            for c, (fn, _) in cases.items():
+                samples[c].append(time_fn(fn, repeats=1, warmup=0).median_s)
+        stats = {c: _stats(v) for c, v in samples.items()}
+        base = [st.median_s for c, st in stats.items() if cases[c][1] is not None][0]
+        for c, st in stats.items():
+            calls = cases[c][1] or len(eng._sender._plan)
+            extra = {"calls": calls, "GB/s": nbytes / st.median_s / 1e9}
+            if cases[c][1] is None:
+                speedup = base / st.median_s
+                extra.update(speedup=speedup, target=">=3x " + ("PASS" if speedup >= 3 else "FAIL"))
+            what = "sync" if loading else "transport only"
+            bench.add(f"{prefix}{what}: {c}", shape, st, extra=extra)
+    eng.rpc("fastgrpo_set_loading", True)
 
 
 def _stats(samples):

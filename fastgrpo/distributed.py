@@ -199,6 +199,17 @@ def rebalance(items: Sequence, lengths: Sequence[int], workload: Any = "tokens")
     return received
 
 
+def all_gather(obj: Any) -> List[Any]:
+    """[obj of rank 0, obj of rank 1, …] on every rank (picklable objects; [obj] alone). For
+    small per-step state every rank must agree on, e.g. curriculum updates (prompt ids and
+    pass/fail of every rank's rollouts) so that the shared-seed samplers stay identical."""
+    if world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _keys_crc(keys: Sequence[str]) -> float:
     return float(zlib.crc32("\x00".join(keys).encode()) % (1 << 24))  # exact in float64
 

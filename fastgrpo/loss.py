@@ -136,8 +136,9 @@ def grpo_loss(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Ten
     """The GRPO loss of packed logits [N, V] (see shared/DESIGN.md, "The loss contract").
 
     All per-token tensors are [N]; `cu_seqlens [S+1]` delimits the sequences for sequence-level
-    ratios and per-sequence aggregations (None: one sequence). `inplace_backward=True` lets the
-    backward overwrite `logits` with its gradient (the logits are dead after the loss).
+    ratios and per-sequence aggregations (None: one sequence). `inplace_backward=True` overwrites
+    the `logits` buffer with ∂loss/∂logits (in the backward, or already in the forward in the torch
+    backend's single-pass mode): do not read the logits after this call.
     """
     config = _check_config(config)
     n, _ = check_logits_targets(logits, targets)

@@ -168,8 +168,10 @@ def make_plots(out_dir: str, plots: Iterable = PLOTS) -> List[str]:
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # plots are optional (the dev extra); metrics.jsonl and events remain
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

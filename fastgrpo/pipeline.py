@@ -166,13 +166,20 @@ def run_eval(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 
 
 def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
-    """`fastgrpo bench`: cfg.steps GRPO steps without SFT, eval or checkpoints; prints the median
+    """`fastgrpo bench`: cfg.steps GRPO steps after the SFT cold start (when cfg.sft_first, so
+    that rewards vary and the update phase runs), without eval or checkpoints; prints the median
     seconds per phase and tokens/s (the first step is warm-up and is left out)."""
-    from .trainer import Trainer
+    from .sft import run_sft
+    from .trainer import Trainer, seed_everything
 
     _prepare(cfg)
     cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.resume = 0, False, "none"
-    trainer = Trainer(cfg)
+    seed_everything(cfg.seed)
+    model, tok = build_model(cfg.model)
+    task = build_task(cfg.data)
+    if cfg.sft_first and cfg.sft.steps > 0:
+        run_sft(cfg, model, tok, task)
+    trainer = Trainer(cfg, model, tok, task, log=log)
     rows = []
     try:
         trainer.train(on_step=lambda s, m: rows.append(m))

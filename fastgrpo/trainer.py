@@ -38,6 +38,12 @@ from .packing import build_packed_batches
 from .builders import build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task, sampling_config
 
 
+def _zero_loss(model) -> torch.Tensor:
+    """A loss of exactly 0 touching every parameter: a skipped micro-batch still runs backward,
+    so the gradient all-reduce of every rank stays aligned (a rank that skipped would hang)."""
+    return sum(p.reshape(-1)[0] * 0.0 for p in model.parameters() if p.requires_grad)
+
+
 class TrainingStopped(RuntimeError):
     """Raised when the run stops on purpose (too many non-finite steps)."""
 
@@ -138,11 +144,11 @@ class Trainer:
         with self.timers.phase("pack"):
             prompts, comps, advs, ids, cmask = [], [], [], [], []
             for i, (p, grp) in enumerate(zip(problems, groups)):
-                if not keep[i]:
-                    continue
                 pid = self._prompt_ids.get(p.id)
                 if pid is None:
                     pid = self._prompt_ids[p.id] = self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+                if not keep[i]:
+                    continue
                 for j, c in enumerate(grp):
                     prompts.append(pid)
                     comps.append(c.token_ids)
@@ -199,14 +205,20 @@ class Trainer:
             b = b.to(dev)
             hidden = packed_forward(model, b)
             if not bool(torch.isfinite(hidden).all()):
-                state.nonfinite = True  # skip: a zero loss keeps the collectives of every rank aligned
-                return sum(p.reshape(-1)[0] * 0.0 for p in model.parameters() if p.requires_grad)
+                state.nonfinite = True
+                return _zero_loss(model)
             logits = model.get_output_embeddings()(hidden)
             token_mean = self.loss_cfg.loss_agg == "token-mean"
-            out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
-                            ref_logp=b.ref_logp, cu_seqlens=b.loss_cu_seqlens, config=self.loss_cfg,
-                            num_items=totals["tokens"] if token_mean else None, impl=cfg.algorithm.loss_impl,
-                            return_entropy=True)
+            try:
+                out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
+                                ref_logp=b.ref_logp, cu_seqlens=b.loss_cu_seqlens, config=self.loss_cfg,
+                                num_items=totals["tokens"] if token_mean else None, impl=cfg.algorithm.loss_impl,
+                                return_entropy=True)
+            except ValueError as e:  # the loss's own finiteness check (non-finite logits rows)
+                if "NaN or Inf" not in str(e):
+                    raise
+                state.nonfinite = True
+                return _zero_loss(model)
             # token-mean is normalised by the global token count already; per-sequence means are
             # per micro-batch, so weight each by its share of the global sequences
             scale = self.backend.loss_scale * (1.0 if token_mean else b.num_seqs / totals["seqs"])
@@ -216,9 +228,13 @@ class Trainer:
                 return loss * 0.0
             w = float(b.loss_mask.sum())
             state.tokens += w
-            state.loss += float(out.loss.detach()) * (w if token_mean else 1.0)
+            state.loss += float(out.loss.detach()) * scale / self.backend.loss_scale  # this rank's share of the batch loss
             for k, v in out.metrics.items():
-                state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
+                if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min / max, not by mean
+                    pick = min if k.endswith("_min") else max
+                    state.extremes[k] = pick(state.extremes.get(k, float(v)), float(v))
+                else:
+                    state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
             if out.entropy is not None:
                 ent = (out.entropy.float() * b.loss_mask).sum()
                 state.sums["entropy_mean"] = state.sums.get("entropy_mean", 0.0) + float(ent)
@@ -246,7 +262,7 @@ class Trainer:
                 return {"train/no_update": 1.0}
             self.backend.module.train()
             for _ in range(self.cfg.algorithm.inner_steps):
-                self._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={})
+                self._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={}, extremes={})
                 self.backend.accumulate(batches, self._loss_fn(totals))
                 st = self._update_state
                 bad = all_reduce_metrics({"bad": float(st.nonfinite or not self._grads_finite())}, op="max")["bad"]
@@ -259,8 +275,9 @@ class Trainer:
                     break
                 logs["train/grad_norm"] = self.backend.step()
                 n = max(st.tokens, 1.0)
-                logs["train/loss"] = st.loss / n if self.loss_cfg.loss_agg == "token-mean" else st.loss
+                logs["train/loss"] = st.loss
                 logs.update({f"loss/{k}": v / n for k, v in st.sums.items()})
+                logs.update({f"loss/{k}": v for k, v in st.extremes.items()})
         return logs
 
     def _sync(self):
@@ -281,6 +298,10 @@ class Trainer:
             with self.timers.phase("sample"):
                 want = cfg.rollout.prompts_per_step - (int(keep.sum()) if keep is not None else 0)
                 new_p = self.curriculum.sample(max(want, 1))
+                if self.world_size > 1:  # every rank draws the same list (same seed): each keeps its shard
+                    from .distributed import shard
+
+                    new_p = shard(new_p) or new_p[:1]
             new_g = self._rollout(new_p)
             new_fn, dropped = self._score(new_p, new_g)
             new_total, new_adv, new_keep, new_zero = self._advantages(new_p, new_fn, dropped)
@@ -302,12 +323,14 @@ class Trainer:
         logs["train/lr"] = self.backend.optimizer.param_groups[0]["lr"]
         logs["train/nan_skips"] = self.nan_skips
         logs["train/reward_errors"] = self.reward_errors
+        if hasattr(self.curriculum, "metrics"):
+            logs.update(self.curriculum.metrics())
         if cfg.checkpoint.every and self.step_num % cfg.checkpoint.every == 0:
             self.save()
         logs.update(self.timers.pop())
         dt = time.perf_counter() - t0
         logs["timing/step"] = dt
-        tokens = sum(len(self._prompt_ids.get(p.id, p.prompt)) * len(g) + sum(len(c.token_ids) for c in g)
+        tokens = sum(len(self._prompt_ids[p.id]) * len(g) + sum(len(c.token_ids) for c in g)
                      for p, g in zip(problems, groups))
         # tokens/s of the whole step: prompt + completion tokens of every rollout sequence
         logs["perf/throughput"] = tokens / dt if dt > 0 else 0.0

@@ -31,23 +31,29 @@ _INTERP_TILE = 16384
 
 
 @triton.jit
-def online_lse_update(x, m, s, t):
-    """One vocabulary block of the online log-sum-exp with entropy, fp32 throughout.
+def online_lse_update(x, m, s, t, HAS_ENT: tl.constexpr):
+    """One vocabulary block of the online log-sum-exp with entropy, in the accumulation dtype.
 
     x: [BN, BV] scaled logits z/τ (−inf on padding columns); m: [BN] running max;
     s: [BN] Σ e^(x−m); t: [BN] Σ e^(x−m)·(x−m). Keeping t relative to the running max avoids
     the cancellation of lse − E[x] when logits are large. Returns the new (m, s, t);
-    at the end lse = m + log s and H = log s − t/s.
+    at the end lse = m + log s and H = log s − t/s. Without HAS_ENT, t is left untouched
+    (three fewer ALU ops per element in the log-probs-only pass).
     """
     m_new = tl.maximum(m, tl.max(x, 1))
-    d = x - m_new[:, None]
+    # A row whose logits so far are all −inf (a masked vocabulary block first) keeps s = 0:
+    # shifting by 0 instead of −inf gives p = 0 rather than NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = x - m_ref[:, None]
     p = tl.exp(d)
-    # First block: m = −inf, s = 0, so rescale terms are 0 (select avoids −inf·0 = NaN).
-    alpha = tl.where(s > 0, tl.exp(m - m_new), 0.0)
-    shift = tl.where(s > 0, m - m_new, 0.0)
+    # While s = 0 (nothing seen yet) the rescale terms are 0; the select avoids −inf·0 = NaN.
+    alpha = tl.where(s > 0, tl.exp(m - m_ref), 0.0)
     s_new = alpha * s + tl.sum(p, 1)
-    # p = 0 on padding columns and on −inf logits (probability 0, 0·log 0 = 0): skip p·d = 0·(−inf).
-    t_new = alpha * (t + shift * s) + tl.sum(tl.where(p > 0, p * d, 0.0), 1)
+    t_new = t
+    if HAS_ENT:
+        # p = 0 on padding columns and on −inf logits (probability 0, 0·log 0 = 0): skip p·d = 0·(−inf).
+        shift = tl.where(s > 0, m - m_ref, 0.0)
+        t_new = alpha * (t + shift * s) + tl.sum(tl.where(p > 0, p * d, 0.0), 1)
     return m_new, s_new, t_new
 
 
@@ -123,7 +129,7 @@ def load_scale(inv_temp, inv_temp_lo, FP64: tl.constexpr):
     """The 1/τ the kernels multiply by: fp32 hi part, or hi + lo in fp64."""
     scale = inv_temp
     if FP64:
-        scale = inv_temp.to(tl.float64) + inv_temp_lo.to(tl.float64)
+        scale = tl.cast(inv_temp, tl.float64) + tl.cast(inv_temp_lo, tl.float64)
     return scale
 
 

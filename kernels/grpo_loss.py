@@ -144,8 +144,10 @@ def token_logprobs_triton_grad(logits: torch.Tensor, targets: torch.Tensor, temp
         with torch.no_grad():
             logp, _, ent = token_logprobs_fwd(logits, targets, temperature, return_entropy)
         return logp, ent
-    logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy),
-                                            bool(inplace_backward))
+    # A leaf's data is a parameter's or a user's tensor: overwriting it with its own gradient would
+    # also alias .grad with the values, so only activations (non-leaves) are reused in place.
+    inplace = bool(inplace_backward) and not logits.is_leaf
+    logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy), inplace)
     return logp, (ent if return_entropy else None)
 
 
@@ -160,7 +162,8 @@ def grpo_loss_triton(logits: torch.Tensor, targets: torch.Tensor, advantages: to
     Logits may have any row stride (e.g. a `[:, :-1]`-style view of a contiguous buffer); a
     non-unit column stride costs one contiguous copy. With `inplace_backward=True` the backward
     overwrites the logits buffer with its gradient: the logits must not be needed afterwards
-    (the lm_head matmul's backward needs only the hidden states and the weight).
+    (the lm_head matmul's backward needs only the hidden states and the weight). A leaf tensor
+    (not produced by an autograd op) is never overwritten: the flag is ignored for it.
     """
     config = config or LossConfig()
     cu = check_cu_seqlens(cu_seqlens, logits.shape[0])

@@ -51,7 +51,7 @@ def _token_logprobs_fwd_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = (cols < n_cols)[None, :]
         x = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok, other=float("-inf")).to(acc_t) * scale
-        m, s, t = online_lse_update(x, m, s, t)
+        m, s, t = online_lse_update(x, m, s, t, HAS_ENT)
     lse = m + tl.log(s)
     tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
     xt = tl.load(logits_ptr + rows_c * stride_n + tgt).to(acc_t) * scale

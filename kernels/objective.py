@@ -18,7 +18,7 @@ values before any arithmetic so that they can never turn the loss or a gradient 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
@@ -68,6 +68,16 @@ def prepare_objective(n: int, device, dtype, advantages, mask=None, old_logp=Non
     return ObjectiveInputs(on=on, mask=maskf, advantages=clean(advantages), old_logp=clean(old_logp),
                            ref_logp=clean(ref_logp), weights=clean(weights), seq_ids=seq_ids,
                            num_seqs=num_seqs, agg=agg)
+
+
+def slice_objective(inp: ObjectiveInputs, start: int, end: int) -> ObjectiveInputs:
+    """Tokens start:end of `inp`, for backends that run the objective block by block. Exact only for
+    token-level ratios (a sequence-level ratio couples the tokens of a sequence); the aggregation
+    weights were computed over all N tokens, so block losses add up to the full loss."""
+    cut = (lambda x: None if x is None else x[start:end])
+    return replace(inp, on=inp.on[start:end], mask=inp.mask[start:end], advantages=cut(inp.advantages),
+                   old_logp=cut(inp.old_logp), ref_logp=cut(inp.ref_logp), weights=cut(inp.weights),
+                   seq_ids=inp.seq_ids[start:end], agg=inp.agg[start:end])
 
 
 def _kl(d: torch.Tensor, kind: str) -> torch.Tensor:

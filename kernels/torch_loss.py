@@ -9,10 +9,15 @@ from the saved log-sum-exp and writes ∂loss/∂z = (g·(onehot − p) − h·p
 into the gradient buffer, or into the logits buffer itself when `inplace_backward=True`.
 
 Extra memory: O(N) statistics plus two R×C buffers (R·C ≤ `_TILE_ELEMS`); never an N×V float32
-copy of the logits. The autograd boundary is the log-prob op (`TokenLogprobsFunction`): the O(N)
-objective on top of it (`objective.py`) is ordinary differentiable torch, so the loss composes with
-any other term. Departure from Cut Cross-Entropy / Liger: no gradient is computed in the forward
-pass (that would need the upstream gradient in advance); both passes read the logits once.
+copy of the logits. In this two-pass mode the autograd boundary is the log-prob op
+(`TokenLogprobsFunction`): the O(N) objective on top of it (`objective.py`) is ordinary
+differentiable torch, which serves sequence-level (GSPO) ratios and `token_logprobs`.
+
+Single-pass mode (`SinglePassGRPOLossFunction`, the default for token-level ratios when a gradient
+is wanted), as Liger-Kernel's losses do it: blocks of full-vocabulary rows are exponentiated once,
+the block's objective coefficients are computed right away, and the gradient is written during the
+forward; the backward only scales it. On CPU the exp costs ~10× a copy per element, so one exp
+instead of two is most of the speed. Its buffers are R×V rows (R·V ≤ `_FUSED_ELEMS`).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from typing import Optional, Tuple
 import torch
 
 from .common import LossConfig, LossOutput
-from .objective import objective_loss, objective_metrics, prepare_objective
+from .objective import (ObjectiveInputs, objective_coefficients, objective_loss, objective_metrics,
+                        prepare_objective, slice_objective)
 
 # Tile budget in elements: 2^18 fp32 = 1 MiB per buffer, so the 4–6 elementwise passes over a
 # tile hit L2; measured on the 2-core dev box (N=1024, V=32000, 1 thread): 2^18 gave the fastest
@@ -198,14 +204,128 @@ def loss_from_logprobs(logp, entropy, n, device, advantages, *, mask, old_logp, 
                       metrics=metrics)
 
 
+# Single-pass mode: rows of the full vocabulary kept between the exp and the gradient, 2^22
+# elements = 16 MiB fp32 per buffer (27 rows at V = 152k).
+_FUSED_ELEMS = 1 << 22
+
+
+@torch.no_grad()
+def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: ObjectiveInputs,
+                              config: LossConfig, out: torch.Tensor, need_entropy: bool):
+    """Token-level ratios only: loss, logp, entropy, ratio, kl and ∂loss/∂z written into `out`,
+    with ONE exp per logit. Per block of full-vocabulary rows: e = exp((z − m)/τ), s = Σe, the
+    block's log-probs and entropies, its objective coefficients g, h (exact per block because a
+    token-level objective is separable and the aggregation weights are global), then
+    ∂loss/∂z = −(g·(e/s − onehot) + h·(e/s)·(log p + H))/τ from the same e. The two-pass
+    forward/backward (`TokenLogprobsFunction`) computes the exp twice; on CPU the exp is the
+    bottleneck (≈ 10× a copy per element)."""
+    n, v = logits.shape
+    cdt = compute_dtype(logits.dtype)
+    dev = logits.device
+    inv_tau = 1.0 / float(config.temperature)
+    logp = torch.empty(n, dtype=cdt, device=dev)
+    ent = torch.empty(n, dtype=cdt, device=dev) if need_entropy else None
+    ratio = torch.empty(n, dtype=cdt, device=dev)
+    kl = torch.empty(n, dtype=cdt, device=dev) if config.beta != 0.0 else None
+    loss = torch.zeros((), dtype=cdt, device=dev)
+    if n == 0:
+        return loss, logp, ent, ratio, kl
+    rows = max(1, min(n, _FUSED_ELEMS // v))
+    ybuf = torch.empty(rows, v, dtype=cdt, device=dev)
+    ebuf = torch.empty(rows, v, dtype=cdt, device=dev) if need_entropy else None
+    tgt = targets.long()
+    zt = logits.gather(1, tgt.unsqueeze(1)).squeeze(1).to(cdt) * inv_tau
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        src = logits[r0:r1]
+        m = src.amax(dim=1).to(cdt)
+        y = _shifted_tile(src, m, ybuf, inv_tau)  # (z − m)/τ
+        e = torch.exp(y, out=ebuf[: r1 - r0]) if need_entropy else y.exp_()
+        s = e.sum(dim=1)
+        log_s = torch.log(s)
+        lp = zt[r0:r1] - (m * inv_tau + log_s)
+        logp[r0:r1] = lp
+        h_ent = None
+        if need_entropy:
+            u = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).reshape(-1)  # Σ e·y as a batched dot: no temporary
+            h_ent = log_s - u / s
+            ent[r0:r1] = h_ent
+        loss_b, g, h, r_b, kl_b = objective_coefficients(lp, h_ent, slice_objective(inp, r0, r1), config)
+        loss += loss_b
+        ratio[r0:r1] = r_b
+        if kl is not None:
+            kl[r0:r1] = kl_b
+        rr = torch.arange(r1 - r0, device=dev)
+        inv_s = s.reciprocal().unsqueeze(1)
+        if h is None:
+            q = e.mul_(inv_s)  # p
+            q[rr, tgt[r0:r1]] -= 1.0
+            torch.mul(q, (g * -inv_tau).unsqueeze(1), out=out[r0:r1])
+        else:
+            # p·(g + h·(log p + H)) − g·onehot, with log p + H = y − log s + H
+            q = y.sub_((log_s - h_ent).unsqueeze(1)).mul_(h.unsqueeze(1)).add_(g.unsqueeze(1))
+            q.mul_(e).mul_(inv_s)
+            q[rr, tgt[r0:r1]] -= g
+            torch.mul(q, -inv_tau, out=out[r0:r1])
+    return loss, logp, ent, ratio, kl
+
+
+class SinglePassGRPOLossFunction(torch.autograd.Function):
+    """logits → (loss, logp, entropy, ratio, kl) computing ∂loss/∂logits during the forward; the
+    backward only scales it by the upstream gradient (Liger-Kernel's scheme for its losses)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, inp, config, need_entropy, inplace):
+        out = logits if inplace else torch.empty_like(logits)
+        loss, logp, ent, ratio, kl = loss_and_grad_single_pass(logits, targets, inp, config, out, need_entropy)
+        ctx.grad = out
+        side = [logp, ent if ent is not None else logp.new_empty(0), ratio, kl if kl is not None else logp.new_empty(0)]
+        ctx.mark_non_differentiable(*side)
+        return (loss, *side)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_loss, *unused):
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError("grpo_loss (torch single-pass path): backward called twice; the gradient buffer "
+                               "was handed over on the first call")
+        ctx.grad = None
+        if g_loss is not None and float(g_loss) != 1.0:
+            grad.mul_(g_loss.to(grad.dtype))  # e.g. a 1/grad-accumulation scale on the loss
+        return grad, None, None, None, None, None
+
+
 def grpo_loss_torch(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, *,
                     mask=None, old_logp=None, ref_logp=None, weights=None, cu_seqlens=None,
                     config: Optional[LossConfig] = None, num_items=None, inplace_backward: bool = False,
-                    return_entropy: bool = False, vocab_chunk: Optional[int] = None) -> LossOutput:
+                    return_entropy: bool = False, vocab_chunk: Optional[int] = None,
+                    single_pass: Optional[bool] = None) -> LossOutput:
     """The whole loss contract on packed logits [N, V] (inputs already validated by the facade;
-    `cu_seqlens` a CPU int64 [S+1] tensor or None for one sequence)."""
+    `cu_seqlens` a CPU int64 [S+1] tensor or None for one sequence).
+
+    `single_pass` (default: whenever a gradient is wanted and the ratio is token-level) computes
+    the gradient in the forward with one exp per logit; with `inplace_backward=True` it is then
+    written into the logits during the forward, so the logits must not be read after this call.
+    Otherwise the forward streams the statistics and the backward recomputes the softmax."""
     config = config or LossConfig()
     need_ent = return_entropy or config.entropy_coef != 0.0
+    wants_grad = logits.requires_grad and torch.is_grad_enabled()
+    if single_pass is None:
+        single_pass = wants_grad and config.ratio_level == "token"
+    if single_pass and wants_grad:
+        if config.ratio_level != "token":
+            raise ValueError("single_pass: only for LossConfig.ratio_level='token' (a sequence-level ratio couples "
+                             "the tokens of a sequence across row blocks)")
+        n = logits.shape[0]
+        cdt = compute_dtype(logits.dtype)
+        inp = prepare_objective(n, logits.device, cdt, advantages, mask, old_logp, ref_logp, weights, cu_seqlens,
+                                config, num_items)
+        loss, logp, ent, ratio, kl = SinglePassGRPOLossFunction.apply(logits, targets, inp, config, need_ent,
+                                                                      bool(inplace_backward))
+        ent = ent if need_ent else None
+        kl = kl if config.beta != 0.0 else None
+        return LossOutput(loss=loss, logp=logp, entropy=ent, metrics=objective_metrics(ratio, kl, ent, inp, config))
     logp, ent = token_logprobs_torch(logits, targets, config.temperature, need_ent, inplace_backward,
                                      vocab_chunk)
     # entropy is returned when asked or when α ≠ 0 (computed anyway), as LossOutput documents

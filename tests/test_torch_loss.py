@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from _loss_inputs import make_inputs
+from fastgrpo.kernels import torch_loss
+from fastgrpo.kernels.torch_loss import grpo_loss_torch
 from fastgrpo.loss import LossConfig, fused_linear_grpo_loss, grpo_loss, token_logprobs
 
 # The combinations that exercise distinct code: each clip / cap / KL / entropy / ratio level /
@@ -25,13 +27,19 @@ CONFIGS = {
 }
 
 
-def run(impl, inp, config, use_weights=True, num_items=None, **kw):
+def run(impl, inp, config, use_weights=True, num_items=None, loss_scale=1.0, **kw):
+    """impl "two-pass" is the torch backend with the gradient recomputed in the backward (the
+    default for token-level ratios is the single-pass mode)."""
     logits = inp["logits"].clone().requires_grad_(True)
-    out = grpo_loss(logits, inp["targets"], inp["advantages"], mask=inp["mask"], old_logp=inp["old_logp"],
-                    ref_logp=inp["ref_logp"], weights=inp["weights"] if use_weights else None,
-                    cu_seqlens=inp["cu_seqlens"], config=config, num_items=num_items, impl=impl,
-                    return_entropy=True, **kw)
-    out.loss.backward()
+    args = (logits, inp["targets"], inp["advantages"])
+    kwargs = dict(mask=inp["mask"], old_logp=inp["old_logp"], ref_logp=inp["ref_logp"],
+                  weights=inp["weights"] if use_weights else None, cu_seqlens=inp["cu_seqlens"], config=config,
+                  num_items=num_items, return_entropy=True, **kw)
+    if impl == "two-pass":
+        out = grpo_loss_torch(*args, single_pass=False, **kwargs)
+    else:
+        out = grpo_loss(*args, impl=impl, **kwargs)
+    (out.loss * loss_scale).backward()
     return out, logits.grad
 
 
@@ -44,9 +52,9 @@ def assert_close(a, b, tol, what):
                              f"{float(a.reshape(-1)[i])} vs {float(b.reshape(-1)[i])}")
 
 
-def compare(inp, config, tol=1e-10, **kw):
+def compare(inp, config, tol=1e-10, impl="torch", **kw):
     ref, g_ref = run("reference", inp, config, **kw)
-    out, g = run("torch", inp, config, **kw)
+    out, g = run(impl, inp, config, **kw)
     assert_close(out.loss, ref.loss, tol, "loss")
     assert_close(g, g_ref, tol, "grad logits")
     assert_close(out.logp, ref.logp, tol, "logp")
@@ -57,20 +65,33 @@ def compare(inp, config, tol=1e-10, **kw):
     return out, g
 
 
+@pytest.mark.parametrize("impl", ["torch", "two-pass"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_configs_match_reference_fp64(name, monkeypatch):
-    # a 5-column vocabulary chunk forces the online log-sum-exp across many chunks
+def test_configs_match_reference_fp64(name, impl, monkeypatch):
+    # a 5-column vocabulary chunk forces the online log-sum-exp across many chunks, and a 3-row
+    # single-pass block makes the objective run block by block
     monkeypatch.setenv("FASTGRPO_VOCAB_CHUNK", "5")
+    monkeypatch.setattr(torch_loss, "_FUSED_ELEMS", 3 * 23)
     inp = make_inputs(41, 23, seed=list(CONFIGS).index(name))
-    out, g = compare(inp, CONFIGS[name])
+    out, g = compare(inp, CONFIGS[name], impl=impl, loss_scale=0.25)
     assert float(g.abs().max()) > 0  # the case has a gradient to compare
 
 
 @pytest.mark.parametrize("n,v", [(1, 1), (1, 17), (7, 17), (123, 17), (7, 1), (3, 50000)])
 def test_odd_sizes(n, v):
     inp = make_inputs(n, v, seed=n * 31 + v)
-    compare(inp, CONFIGS["drgrpo-all"])
-    compare(inp, CONFIGS["clip-higher+delta"], use_weights=False)
+    for impl in ("torch", "two-pass"):
+        compare(inp, CONFIGS["drgrpo-all"], impl=impl)
+        compare(inp, CONFIGS["clip-higher+delta"], use_weights=False, impl=impl)
+
+
+def test_single_pass_backward_twice_is_a_clear_error():
+    inp = make_inputs(5, 7)
+    x = inp["logits"].clone().requires_grad_(True)
+    out = grpo_loss(x, inp["targets"], inp["advantages"], impl="torch")
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward called twice"):
+        out.loss.backward()
 
 
 def test_num_items_overrides_denominator():
@@ -94,15 +115,16 @@ def test_fully_masked_and_empty():
     assert all(torch.isfinite(v) for v in out.metrics.values())
 
 
-def test_inplace_backward_writes_gradient_into_logits():
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_inplace_backward_writes_gradient_into_logits(single_pass):
     inp = make_inputs(40, 300, seed=7)
     cfg = CONFIGS["entropy-tau"]
     _, g_ref = run("reference", inp, cfg)
     base = inp["logits"].clone().requires_grad_(True)
     logits = base * 1.0  # non-leaf: the MulBackward node saves nothing, so the buffer may be reused
-    out = grpo_loss(logits, inp["targets"], inp["advantages"], mask=inp["mask"], old_logp=inp["old_logp"],
-                    weights=inp["weights"], cu_seqlens=inp["cu_seqlens"], config=cfg, impl="torch",
-                    inplace_backward=True)
+    out = grpo_loss_torch(logits, inp["targets"], inp["advantages"], mask=inp["mask"], old_logp=inp["old_logp"],
+                          ref_logp=inp["ref_logp"], weights=inp["weights"], cu_seqlens=inp["cu_seqlens"],
+                          config=cfg, inplace_backward=True, single_pass=single_pass)
     out.loss.backward()
     assert_close(base.grad, g_ref, 1e-10, "grad (in place)")
     assert_close(logits.detach(), g_ref, 1e-10, "logits buffer now holds the gradient")
@@ -115,8 +137,8 @@ def test_low_precision_inputs(dtype, tol, monkeypatch):
     cfg = CONFIGS["drgrpo-all"]
     ref_inp = dict(inp, logits=inp["logits"].double())  # the same (rounded) values in float64
     ref, g_ref = run("reference", ref_inp, cfg)
-    for inplace in (False, True):
-        out, g = run("torch", inp, cfg, inplace_backward=inplace)
+    for impl, inplace in (("torch", False), ("torch", True), ("two-pass", False), ("two-pass", True)):
+        out, g = run(impl, inp, cfg, inplace_backward=inplace)
         assert g.dtype == dtype and out.logp.dtype == torch.float32
         assert_close(out.logp, ref.logp, 1e-5, "logp")  # float32 accumulation of exact inputs
         assert_close(out.entropy, ref.entropy, 1e-5, "entropy")
@@ -170,5 +192,6 @@ def test_strided_logits_view():
     inp = make_inputs(9, 40, seed=19)
     inp_t = dict(inp, logits=inp["logits"].t().contiguous().t())
     assert not inp_t["logits"].is_contiguous()
-    for inplace in (False, True):
-        compare(inp_t, CONFIGS["entropy-tau"], inplace_backward=inplace)
+    for impl in ("torch", "two-pass"):
+        for inplace in (False, True):
+            compare(inp_t, CONFIGS["entropy-tau"], inplace_backward=inplace, impl=impl)

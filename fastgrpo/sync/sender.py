@@ -71,27 +71,33 @@ class BucketedSender:
     def sync(self, named: Iterable[Tuple[str, torch.Tensor]]) -> SyncStats:
         t0 = time.perf_counter()
         named = list(named)
+        if not named:
+            raise ValueError("named: expected at least one (name, tensor) pair to sync")
         plan = self.plan(named)
         tensors: Dict[str, torch.Tensor] = dict(named)
         if self.transport.ensure(max(bucket_nbytes(b) for b in plan)):
             self.rpc("fastgrpo_attach", self.transport.payload())
         bufs = self.transport.buffers
         sync_dev = _device_sync(bufs[0])
-        # pack bucket 0 now, then keep the next bucket packing on the helper thread
-        pack_bucket(bufs[0], plan[0], tensors)
-        sync_dev()
-        for k, bucket in enumerate(plan):
-            nxt = None
-            if k + 1 < len(plan):
-                target = bufs[(k + 1) % len(bufs)]
-                if len(bufs) > 1:
-                    nxt = self._pool.submit(_pack_and_wait, target, plan[k + 1], tensors, sync_dev)
-            self.rpc("fastgrpo_load_bucket", k % len(bufs), [e.to_tuple() for e in bucket])
-            if nxt is not None:
-                nxt.result()
-            elif k + 1 < len(plan):
-                pack_bucket(bufs[0], plan[k + 1], tensors)
-                sync_dev()
+        try:
+            # pack bucket 0 now, then keep the next bucket packing on the helper thread
+            pack_bucket(bufs[0], plan[0], tensors)
+            sync_dev()
+            for k, bucket in enumerate(plan):
+                nxt = None
+                if k + 1 < len(plan) and len(bufs) > 1:
+                    nxt = self._pool.submit(_pack_and_wait, bufs[(k + 1) % 2], plan[k + 1], tensors, sync_dev)
+                try:
+                    self.rpc("fastgrpo_load_bucket", k % len(bufs), [e.to_tuple() for e in bucket])
+                finally:
+                    if nxt is not None:
+                        nxt.result()         # never leave a pack running into a buffer
+                if nxt is None and k + 1 < len(plan):
+                    pack_bucket(bufs[0], plan[k + 1], tensors)
+                    sync_dev()
+        except BaseException:
+            self.rpc("fastgrpo_finish")      # drop the engine's half-received tensors
+            raise
         left = self.rpc("fastgrpo_finish")
         if left:
             raise RuntimeError(f"weight sync ended with incomplete tensors on the engine: {left}")

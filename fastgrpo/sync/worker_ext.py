@@ -9,8 +9,8 @@ and `reload_weights` redoes that packing); on GPU it is the same call.
 
 Departure from a plain reload: vLLM packs a tied lm_head separately from the embedding it
 shares a weight with (CPU kernels), and `reload_weights` only re-packs layers that received
-weights — so after every sync the extension re-runs the weight processing of every layer whose
-weight is shared with another layer.
+weights — so after every sync every other layer sharing that weight gets the fresh packing
+(or, where there is no CPU packing to share, its weight processing is re-run).
 """
 from __future__ import annotations
 
@@ -103,8 +103,14 @@ class FastGRPOWorkerExtension:
     def fastgrpo_param_names(self) -> List[str]:
         return [n for n, _ in self.model_runner.model.named_parameters()]
 
+    def fastgrpo_set_loading(self, enabled: bool) -> bool:
+        """enabled=False: receive and assemble buckets but skip `reload_weights` — bench_sync
+        uses it to time the transport apart from the engine's own reload."""
+        self._fastgrpo_skip_load = not enabled
+        return enabled
+
     def _fastgrpo_reload(self, named: List[Tuple[str, torch.Tensor]]) -> None:
-        if not named:
+        if not named or getattr(self, "_fastgrpo_skip_load", False):
             return
         with _quiet_reload():
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
@@ -118,8 +124,14 @@ class FastGRPOWorkerExtension:
                 owners.setdefault(id(w), []).append(module)
         for modules in owners.values():
             # the first owner (e.g. model.embed_tokens, before lm_head in module order) received
-            # the weight and was re-packed by reload_weights; the others still hold the old packing
+            # the weight and was re-packed by reload_weights; the others still hold the old
+            # packing. Same weight, same packing: share the fresh one instead of packing again
+            # (the tied 32000×768 matrix of bench_sync is a quarter of the model).
+            fresh = getattr(modules[0], "cpu_linear", None)
             for module in modules[1:]:
-                method = getattr(module, "quant_method", None)
-                if method is not None and hasattr(module, "cpu_linear"):
-                    method.process_weights_after_loading(module)
+                if not hasattr(module, "cpu_linear"):
+                    continue
+                if fresh is not None:
+                    module.cpu_linear = fresh
+                else:
+                    module.quant_method.process_weights_after_loading(module)

@@ -15,7 +15,8 @@ import sys
 import torch
 
 from fastgrpo.demo.tiny import build_tiny_model
-from fastgrpo.distributed import DistributedBackend, all_reduce_metrics, plan_micro_batches, rebalance, shutdown
+from fastgrpo.distributed import (DistributedBackend, all_gather, all_reduce_metrics, plan_micro_batches, rebalance,
+                                  shutdown)
 from fastgrpo.loss import LossConfig, grpo_loss
 from fastgrpo.models import packed_forward
 from fastgrpo.packing import build_packed_batches
@@ -55,6 +56,9 @@ def train(backend: DistributedBackend, steps: int, ranks_to_replay):
         recs = rebalance(recs, [len(p) + len(c) for p, c, _ in recs])
         local_tokens = sum(len(c) for _, c, _ in recs)
         total = all_reduce_metrics({"tokens": local_tokens}, op="sum")["tokens"]
+        counts = all_gather(len(recs))
+        if len(set(counts)) != 1:  # rebalance gives every rank the same number of sequences
+            raise RuntimeError(f"rebalance left unequal sequence counts per rank: {counts}")
         plan = plan_micro_batches([len(p) + len(c) for p, c, _ in recs], BUDGET)
         batches = []
         for idx in plan:
@@ -97,7 +101,7 @@ def run_trainer(out_dir: str, stage: int, steps: int):
     cfg = load_config(overrides=[
         f"steps={steps}", "sft_first=false", "rollout.engine=torch", "rollout.group_size=4",
         "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "rewards.functions=[length]",
-        "rewards.weights=[1.0]", "algorithm.max_pass_rate=1.0", "optimizer.lr=0.01",
+        "rewards.weights=[1.0]", "algorithm.max_pass_rate=1.0", "algorithm.drop_zero_std=false", "optimizer.lr=0.01",
         "distributed.backend=deepspeed", f"distributed.zero_stage={stage}", "packing.max_tokens=48",
         f"logging.out_dir={out_dir}/trainer_run", "logging.tensorboard=false", "logging.plots=false",
         "logging.progress=false", "checkpoint.at_end=false", "checkpoint.resume=none"])

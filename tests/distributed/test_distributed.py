@@ -46,9 +46,13 @@ def _run(args, out_dir, nproc=None):
 
 
 CONFIGS = [  # backend, ZeRO stage, optimizer, tolerance against the 1-process replay
-    ("deepspeed", 2, "adamw", 1e-4),  # Adam divides by √v: reduction-order noise on tiny grads shows
-    ("deepspeed", 3, "sgd", 1e-6),    # SGD is linear in the gradient: a wrong 1/world scale shows
+    # SGD is linear in the gradient: a wrong 1/world scale, or gradients left over from the
+    # discarded (skipped) pass the worker runs first, show in the weights
+    ("deepspeed", 2, "sgd", 1e-6),
+    ("deepspeed", 3, "sgd", 1e-6),
     ("ddp", 0, "sgd", 1e-6),
+    # AdamW as users run it; Adam divides by √v, so reduction-order noise on tiny grads shows
+    ("deepspeed", 1, "adamw", 1e-4),
 ]
 # fastgrpo's Trainer itself (distributed.backend=deepspeed, ZeRO-2), trained in the same launch
 SPEC = ",".join(f"{b}:{s}:{o}" for b, s, o, _ in CONFIGS) + ",trainer:2:adamw"

@@ -5,6 +5,7 @@ import torch
 
 from fastgrpo.distributed import (
     DistributedBackend,
+    all_gather,
     all_reduce_metrics,
     plan_micro_batches,
     rebalance,
@@ -38,6 +39,7 @@ def test_plan_oversize_sequence():
 def test_single_process_reductions_are_identity():
     assert all_reduce_metrics({"a": 1, "b": 2.5}, op="max", ops={"a": "sum"}) == {"a": 1.0, "b": 2.5}
     assert rebalance(["x", "y"], [3, 4]) == ["x", "y"]
+    assert all_gather({"ids": [1]}) == [{"ids": [1]}]
     with pytest.raises(ValueError, match="op="):
         all_reduce_metrics({"a": 1.0}, op="median")
     with pytest.raises(ValueError, match="lengths"):

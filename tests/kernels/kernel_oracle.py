@@ -7,6 +7,9 @@ import torch
 
 from fastgrpo.kernels.common import LossConfig
 
+# Compiled kernels on a GPU machine, the interpreter on CPU (tests/conftest.py sets the flag).
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
 # dtype → (atol, rtol) added on top of the same-dtype reference's own worst error. bf16/fp16
 # gradients are stored in their dtype, so the kernel pays one rounding (2^-8 / 2^-11 relative).
 TOL = {
@@ -41,8 +44,9 @@ def check_vs_truth(name: str, kernel: torch.Tensor, ref: torch.Tensor, truth: to
 
 
 def make_batch(n: int, v: int, seqlens, seed: int = 0, scale: float = 2.0, off_policy: float = 0.3):
-    """Packed float64 inputs: logits, targets, advantages, mask (fully masked sequences and
-    off-mask garbage included), old/ref log-probs near the truth, weights and cu_seqlens."""
+    """Packed float64 inputs on DEV (drawn on CPU, so identical everywhere): logits, targets,
+    advantages, mask (a fully masked sequence included), old/ref log-probs near the truth,
+    weights, and cu_seqlens (CPU)."""
     g = torch.Generator().manual_seed(seed)
     assert sum(seqlens) == n
     logits = torch.randn(n, v, generator=g, dtype=torch.float64) * scale
@@ -59,8 +63,9 @@ def make_batch(n: int, v: int, seqlens, seed: int = 0, scale: float = 2.0, off_p
     old = true_logp + off_policy * torch.randn(n, generator=g, dtype=torch.float64)
     ref = true_logp + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
     weights = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
-    return dict(logits=logits, targets=targets, advantages=advantages, mask=mask, old_logp=old,
-                ref_logp=ref, weights=weights, cu_seqlens=cu)
+    out = dict(logits=logits, targets=targets, advantages=advantages, mask=mask, old_logp=old,
+               ref_logp=ref, weights=weights)
+    return {**{k: x.to(DEV) for k, x in out.items()}, "cu_seqlens": cu}
 
 
 # Every option of the loss contract, each at least once (ids are the pytest ids).

@@ -7,7 +7,7 @@ from fastgrpo import loss as api
 from fastgrpo.kernels.common import LossConfig
 from fastgrpo.kernels.fused_linear import default_chunk_size, fused_linear_grpo_loss
 from fastgrpo.kernels.reference import grpo_loss_reference
-from kernel_oracle import check_vs_truth, loss_kwargs, make_batch
+from kernel_oracle import DEV, check_vs_truth, loss_kwargs, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -24,9 +24,9 @@ USES = {"old_logp", "ref_logp", "weights"}
 def make_linear(n, h, v, seqlens, seed):
     b = make_batch(n, v, seqlens, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
-    b["hidden"] = torch.randn(n, h, generator=g, dtype=torch.float64)
-    b["weight"] = torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 3
-    b["bias"] = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
+    b["hidden"] = torch.randn(n, h, generator=g, dtype=torch.float64).to(DEV)
+    b["weight"] = (torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 3).to(DEV)
+    b["bias"] = (torch.randn(v, generator=g, dtype=torch.float64) * 0.5).to(DEV)
     return b
 
 
@@ -45,7 +45,7 @@ def run(fn, b, dtype, cfg, with_bias, **extra):
     return out, [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch"])  # torch: the per-chunk CPU twin
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 def test_fused_linear_vs_oracle(cfg_name, dtype, impl):

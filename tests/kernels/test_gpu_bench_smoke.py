@@ -4,12 +4,29 @@ checks, so the GPU suite does not crash on first real use. Timings here mean not
 import csv
 import os
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from benchmarks import bench_gpu_fused_linear, bench_gpu_kernels
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _smoke(module, args, capsys):
+    """In process on CPU machines (the interpreter flag is already set); on a GPU machine in a
+    child with CUDA hidden and the interpreter on, since this process compiles real kernels."""
+    if not torch.cuda.is_available():
+        module.main(["--cpu-smoke", *args])
+        return capsys.readouterr().out
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "benchmarks", module.__name__.split(".")[-1] + ".py")
+    done = subprocess.run([sys.executable, script, "--cpu-smoke", *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _rows(path):
@@ -19,8 +36,7 @@ def _rows(path):
 
 def test_loss_kernel_bench_smoke(tmp_path, capsys):
     out = tmp_path / "k.csv"
-    bench_gpu_kernels.main(["--cpu-smoke", "--ns", "64", "--vs", "100", "--csv", str(out)])
-    printed = capsys.readouterr().out
+    printed = _smoke(bench_gpu_kernels, ["--ns", "64", "--vs", "100", "--csv", str(out)], capsys)
     assert "N=70001 V=5 bfloat16 grad: ok" in printed  # the > 65 535-row oracle check ran
     cases = {r["case"] for r in _rows(out)}
     assert {"fastgrpo kernel fwd", "fastgrpo kernel bwd", "fastgrpo fwd", "fastgrpo fwd+bwd", "fastgrpo bwd",
@@ -30,8 +46,8 @@ def test_loss_kernel_bench_smoke(tmp_path, capsys):
 
 def test_fused_linear_bench_smoke(tmp_path, capsys):
     out = tmp_path / "f.csv"
-    bench_gpu_fused_linear.main(["--cpu-smoke", "--ns", "48", "--vs", "100", "--hidden", "16", "--csv", str(out)])
-    printed = capsys.readouterr().out
+    printed = _smoke(bench_gpu_fused_linear, ["--ns", "48", "--vs", "100", "--hidden", "16", "--csv", str(out)],
+                     capsys)
     assert printed.count(": ok (") == 6  # loss, d_hidden, d_weight for token and sequence ratio
     rows = {r["case"]: r for r in _rows(out)}
     assert float(rows["bare matmuls (logits + dH + dW) fwd+bwd"]["vs_matmuls"]) == 1.0
@@ -39,6 +55,5 @@ def test_fused_linear_bench_smoke(tmp_path, capsys):
 
 
 def test_suite_script_is_valid_bash():
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          "benchmarks", "gpu_suite.sh")
+    script = os.path.join(ROOT, "benchmarks", "gpu_suite.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0

@@ -8,7 +8,7 @@ from fastgrpo.kernels.common import LossConfig
 from fastgrpo.kernels.grpo_loss import grpo_loss_triton
 from fastgrpo.kernels.logprobs import _token_logprobs_fwd_kernel
 from fastgrpo.kernels.reference import grpo_loss_reference
-from kernel_oracle import LOSS_CASES, check_vs_truth, loss_kwargs, make_batch
+from kernel_oracle import DEV, LOSS_CASES, check_vs_truth, loss_kwargs, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -78,6 +78,10 @@ def test_inplace_backward_overwrites_logits_with_the_same_gradient(dtype):
     assert torch.equal(grads[True][0], grads[False][0])
     assert torch.equal(grads[True][1], grads[True][0]), "in place: the logits buffer must hold the gradient"
     assert torch.equal(grads[False][1], x), "out of place: the logits must be left intact"
+    leaf = x.clone().requires_grad_(True)  # a leaf is never overwritten, even when asked
+    grpo_loss_triton(leaf, b["targets"], b["advantages"].float(), config=cfg, inplace_backward=True,
+                     **kw).loss.backward()
+    assert torch.equal(leaf.detach(), x) and torch.equal(leaf.grad, grads[False][0])
     run_case(dtype, cfg, {"old_logp", "ref_logp"}, (37, 301, [20, 17]), seed=3, inplace=True)
 
 
@@ -89,9 +93,11 @@ def test_strided_logits_row_stride_and_transposed_view():
     ref_leaf = x.clone().requires_grad_(True)
     ref = grpo_loss_triton(ref_leaf, b["targets"], b["advantages"].float(), config=cfg, **kw)
     ref.loss.backward()
-    wide = torch.zeros(29, 250)
+    wide = torch.zeros(29, 250, device=DEV)
     wide[:, :211] = x
     views = {"row-stride": wide[:, :211], "transposed": x.t().contiguous().t()}
+    b["targets"] = torch.stack([b["targets"], b["targets"]], 1)[:, 0]  # a strided targets view too
+    assert b["targets"].stride(0) == 2
     for name, view in views.items():
         leaf = view.clone() if name == "transposed" else wide.clone()
         leaf.requires_grad_(True)
@@ -114,9 +120,9 @@ def test_more_rows_than_one_grid_dimension_allows():
     # 70 000 rows > 65 535, the limit of grid axes 1/2 (and of Liger's kernels at one row per program).
     n, v = 70_001, 5
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, v, generator=g)
-    y = torch.randint(0, v, (n,), generator=g)
-    adv = torch.randn(n, generator=g)
+    x = torch.randn(n, v, generator=g).to(DEV)
+    y = torch.randint(0, v, (n,), generator=g).to(DEV)
+    adv = torch.randn(n, generator=g).to(DEV)
     cu = torch.tensor([0, 30_000, 70_001])
     cfg = LossConfig(loss_agg="seq-mean-token-mean", entropy_coef=0.01)
     outs = {}
@@ -134,9 +140,9 @@ def test_more_rows_than_one_grid_dimension_allows():
 def test_fully_masked_batch_gives_zero_gradient_and_loss():
     b = make_batch(19, 77, [10, 9], seed=6)
     leaf = b["logits"].float().requires_grad_(True)
-    out = api.grpo_loss(leaf, b["targets"], b["advantages"].float(), mask=torch.zeros(19),
+    out = api.grpo_loss(leaf, b["targets"], b["advantages"].float(), mask=torch.zeros(19, device=DEV),
                         old_logp=b["old_logp"].float(), config=LossConfig(beta=0.1),
-                        ref_logp=torch.full((19,), float("-inf")), impl="triton")
+                        ref_logp=torch.full((19,), float("-inf"), device=DEV), impl="triton")
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0
     assert torch.count_nonzero(leaf.grad) == 0
@@ -160,7 +166,7 @@ def test_nonfinite_logits_raise_like_the_torch_path_and_minus_inf_is_probability
     b["targets"][2] = 6
     outs = {}
     for impl, dt in (("reference", torch.float64), ("triton", torch.float32)):
-        leaf = y.to(dt).requires_grad_(True)
+        leaf = y.to(dt).clone().requires_grad_(True)
         out = api.grpo_loss(leaf, b["targets"], b["advantages"].to(dt), impl=impl, old_logp=b["old_logp"].to(dt))
         out.loss.backward()
         outs[impl] = (out, leaf.grad)
@@ -174,7 +180,26 @@ def test_nonfinite_logits_raise_like_the_torch_path_and_minus_inf_is_probability
     assert float(outs["triton"][1][2, 5]) == 0.0
 
 
-def test_facade_auto_keeps_cpu_default_and_triton_matches_torch_path():
+def test_row_starting_with_a_fully_masked_vocabulary_block():
+    # The first 2100 columns (more than one 2048-column block) at −inf: the online max starts at −inf.
+    b = make_batch(5, 3000, [5], seed=12)
+    x = b["logits"].float()
+    x[1, :2100] = float("-inf")
+    b["targets"][1] = 2500
+    outs = {}
+    for impl, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaf = x.to(dt).clone().requires_grad_(True)
+        out = api.grpo_loss(leaf, b["targets"], b["advantages"].to(dt), old_logp=b["old_logp"].to(dt), impl=impl)
+        out.loss.backward()
+        outs[impl] = (out.logp, leaf.grad)
+    assert torch.allclose(outs["triton"][0].double(), outs["reference"][0], atol=1e-5)
+    assert torch.allclose(outs["triton"][1].double(), outs["reference"][1], atol=1e-7)
+    lp_r = torch.log_softmax(x[1].double(), -1)
+    ent = api.token_logprobs(x, b["targets"], return_entropy=True, impl="triton")[1][1]
+    assert abs(float(ent) + float((lp_r.exp() * lp_r.nan_to_num(neginf=0.0)).sum())) < 1e-5
+
+
+def test_facade_auto_picks_triton_only_on_cuda_and_triton_matches_torch_path():
     b = make_batch(33, 129, [11, 22], seed=11)
     cfg = LossConfig(beta=0.02, ratio_level="sequence", entropy_coef=0.01)
     kw = loss_kwargs(b, {"old_logp", "ref_logp", "weights"}, torch.float32)
@@ -184,7 +209,8 @@ def test_facade_auto_keeps_cpu_default_and_triton_matches_torch_path():
         out = api.grpo_loss(leaf, b["targets"], b["advantages"].float(), config=cfg, impl=impl, **kw)
         out.loss.backward()
         res[impl] = (out.loss, leaf.grad)
-    assert torch.equal(res["auto"][1], res["torch"][1])  # CPU tensors: auto → torch
+    auto_is = "triton" if DEV.type == "cuda" else "torch"  # CPU tensors: auto → the torch path
+    assert torch.equal(res["auto"][1], res[auto_is][1])
     assert torch.allclose(res["triton"][0], res["torch"][0], atol=1e-6)
     assert torch.allclose(res["triton"][1], res["torch"][1], atol=1e-7)
 

@@ -5,7 +5,7 @@ import torch
 from fastgrpo import loss as api
 from fastgrpo.kernels.logprobs import token_logprobs_fwd, token_logprobs_triton
 from fastgrpo.kernels.reference import token_logprobs_reference
-from kernel_oracle import check_vs_truth
+from kernel_oracle import DEV, check_vs_truth
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -18,8 +18,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 def test_logprobs_and_entropy_vs_oracle(shape, dtype):
     n, v = shape
     g = torch.Generator().manual_seed(n * 1000 + v)
-    x = (torch.randn(n, v, generator=g) * 4 + 8).to(dtype)  # offset: large logits test the lse shift
-    y = torch.randint(0, v, (n,), generator=g)
+    x = (torch.randn(n, v, generator=g) * 4 + 8).to(DEV, dtype)  # offset: large logits test the lse shift
+    y = torch.randint(0, v, (n,), generator=g).to(DEV)
     for tau in (1.0, 0.6):
         truth = token_logprobs_reference(x.double(), y, tau, True)
         ref = token_logprobs_reference(x, y, tau, True)
@@ -33,8 +33,8 @@ def test_logprobs_and_entropy_vs_oracle(shape, dtype):
 
 def test_lse_is_returned_and_rows_stay_independent_of_tiling():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(70, 3001, generator=g)
-    y = torch.randint(0, 3001, (70,), generator=g)
+    x = torch.randn(70, 3001, generator=g).to(DEV)
+    y = torch.randint(0, 3001, (70,), generator=g).to(DEV)
     logp, lse, ent = token_logprobs_fwd(x, y, 1.0, False)
     assert ent is None
     assert torch.allclose(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5)
@@ -44,11 +44,12 @@ def test_lse_is_returned_and_rows_stay_independent_of_tiling():
 
 
 def test_empty_input_and_non_unit_column_stride():
-    empty_logp, empty_ent = token_logprobs_triton(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long), 1.0, True)
+    empty_logp, empty_ent = token_logprobs_triton(torch.zeros(0, 10, device=DEV),
+                                                 torch.zeros(0, dtype=torch.long, device=DEV), 1.0, True)
     assert empty_logp.shape == (0,) and empty_ent.shape == (0,)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(40, 17, generator=g)
-    y = torch.randint(0, 17, (40,), generator=g)
+    x = torch.randn(40, 17, generator=g).to(DEV)
+    y = torch.randint(0, 17, (40,), generator=g).to(DEV)
     xt = x.t().contiguous().t()  # column stride 40
     a, _ = token_logprobs_triton(x, y)
     b, _ = token_logprobs_triton(xt, y)
@@ -57,8 +58,8 @@ def test_empty_input_and_non_unit_column_stride():
 
 def test_facade_triton_no_grad_matches_torch_path():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 1000, generator=g, dtype=torch.bfloat16)
-    y = torch.randint(0, 1000, (64,), generator=g, dtype=torch.int32)
+    x = torch.randn(64, 1000, generator=g, dtype=torch.bfloat16).to(DEV)
+    y = torch.randint(0, 1000, (64,), generator=g, dtype=torch.int32).to(DEV)
     lp_t, ent_t = api.token_logprobs(x, y, 0.8, return_entropy=True, impl="triton")
     lp_c, ent_c = api.token_logprobs(x, y, 0.8, return_entropy=True, impl="torch")
     assert torch.allclose(lp_t, lp_c, atol=2e-6) and torch.allclose(ent_t, ent_c, atol=2e-6)

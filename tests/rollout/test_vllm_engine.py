@@ -159,3 +159,25 @@ def test_engine_that_cannot_start_names_the_setting():
     model, tok = build_tiny_model("qwen2", seed=0)
     with pytest.raises(RuntimeError, match=r"kv_cache_bytes=4096.*raise kv_cache_bytes"):
         make_engine("vllm", model, tok, max_model_len=128, max_num_seqs=4, kv_cache_bytes=4096)
+
+
+def test_sync_by_reference_gives_the_same_engine(llama):
+    from fastgrpo.sync.sender import sync_by_reference
+
+    model, tok, eng = llama
+    _perturb(model, 50)
+    stats = sync_by_reference(eng.rpc, model.named_parameters(), torch.float32, 4096, eng.expected_names)
+    eng.llm.reset_prefix_cache()
+    assert stats.buckets > 10
+    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(transport="nccl"), "transport='nccl'"), (dict(transport="cuda_ipc"), "needs a CUDA device"),
+    (dict(sleep_level=3), "sleep_level=3"), (dict(kv_cache_bytes=-1), "kv_cache_bytes=-1"),
+    (dict(max_model_len=1), "max_model_len=1"),
+])
+def test_bad_settings_fail_before_starting(kwargs, match):
+    model, tok = build_tiny_model("qwen2", seed=0)
+    with pytest.raises(ValueError, match=match):
+        make_engine("vllm", model, tok, **kwargs)

@@ -173,3 +173,30 @@ def test_direct_copy_weights():
     assert stats.nbytes == (12 + 3) * 4
     with pytest.raises(ValueError, match=r"no parameters named \['other'\]"):
         copy_weights(b, list(a.named_parameters()) + [("other", torch.zeros(1))])
+
+
+def test_failed_load_resets_the_engine_side():
+    named = _named(3)
+    worker = FakeWorker()
+    calls = {"n": 0}
+
+    def flaky(method, *args):
+        if method == "fastgrpo_load_bucket":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("engine died")
+        return worker.rpc(method, *args)
+
+    sender = BucketedSender(flaky, ShmTransport(), bucket_bytes=512)
+    try:
+        with pytest.raises(RuntimeError, match="engine died"):
+            sender.sync(named)
+        assert worker.receiver.incomplete() == []      # finish was called: nothing half-loaded
+        with pytest.raises(ValueError, match="at least one"):
+            sender.sync([])
+        calls["n"] = -10**6
+        sender.sync(named)
+        for n, t in named:
+            assert torch.equal(worker.loaded[n], t), n
+    finally:
+        sender.close()

@@ -127,3 +127,19 @@ def test_cli_smoke_two_steps(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fastgrpo.cli", "train", "--set", "optimizer.lrr=1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "optimizer.lrr" in bad.stderr
+
+
+def test_reference_model_only_when_beta_positive(cfg_factory):
+    t0 = Trainer(cfg_factory("steps=1"), task=NoisyTask(), log=lambda m: None)
+    assert t0.ref_model is None
+    t0.close()
+    t = Trainer(cfg_factory("steps=2", "algorithm.beta=0.1", "algorithm.inner_steps=2"), task=NoisyTask(),
+                log=lambda m: None)
+    assert t.ref_model is not None and not any(p.requires_grad for p in t.ref_model.parameters())
+    ref0 = {k: v.clone() for k, v in t.ref_model.state_dict().items()}
+    t.step()
+    logs = t.step()
+    assert "loss/kl_mean" in logs and logs["loss/kl_mean"] >= 0  # k3 KL is non-negative
+    assert logs["loss/kl_mean"] > 0  # the policy moved away from the frozen reference
+    assert all(torch.equal(v, ref0[k]) for k, v in t.ref_model.state_dict().items())
+    t.close()
