@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -254,6 +255,8 @@ def _coerce(path: str, value, tp):
             _bad(path, value, "an integer")
         return value
     if tp is float:
+        if isinstance(value, str) and _SCI.match(value.strip()):  # YAML 1.1 leaves "1e-3" a string
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             _bad(path, value, "a finite number")
         return float(value)
@@ -315,6 +318,9 @@ def to_dict(cfg) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+_SCI = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
 def parse_override(item: str):
     """`a.b=value` → (["a", "b"], value parsed as YAML: 3 → int, 1e-3 → float, [1, 2] → list)."""
     if "=" not in item:
@@ -324,12 +330,9 @@ def parse_override(item: str):
     if not key:
         raise ValueError(f"--set {item!r}: empty field name before '='")
     value = yaml.safe_load(raw) if raw.strip() else ""
-    # YAML 1.1 reads "1e-3" as a string (no dot); accept it as the float a user means
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in "eE.") and value.lower() not in ("none", "null") else value
-        except ValueError:
-            pass
+    # YAML 1.1 reads "1e-3" as a string (its floats need a dot); take it as the float a user means
+    if isinstance(value, str) and _SCI.match(value.strip()):
+        value = float(value)
     return key.split("."), value
 
 

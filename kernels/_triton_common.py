@@ -15,8 +15,8 @@ interpreter's cost grows with the number of programs, so that config takes many 
 from __future__ import annotations
 
 import functools
+import struct
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -119,9 +119,14 @@ def autotuned(restore_value=None):
 def split_inv_temp(temperature: float):
     """1/τ as an fp32 pair (hi, lo) with hi + lo = 1/τ to ~2^-48: compiled Triton passes Python
     floats as fp32, which would cap the fp64 (oracle-grade) path at fp32 accuracy for τ ≠ 1."""
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
     inv = 1.0 / float(temperature)
-    hi = float(np.float32(inv))
-    return hi, float(np.float32(inv - hi))
+    if not inv < 3.0e38:
+        raise ValueError(f"temperature={temperature!r}: 1/τ must fit in float32 (τ > 3.4e-39) for the Triton kernels")
+    hi = f32(inv)
+    return hi, f32(inv - hi)
 
 
 @triton.jit

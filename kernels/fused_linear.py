@@ -146,7 +146,8 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
                 ent[s:e] = en
             if kl is not None:
                 kl[s:e] = kl_c
-            grad_matmuls(bwd(z, targets[s:e], lse, g, h, en, tau), s, e)
+            if need_dh or need_dw or need_db:  # nothing to differentiate (e.g. no_grad scoring): skip
+                grad_matmuls(bwd(z, targets[s:e], lse, g, h, en, tau), s, e)
             del z
     else:
         lses = torch.empty(n, dtype=cdt, device=dev)
@@ -157,7 +158,7 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
             if need_ent:
                 ent[s:e] = en
         loss, g, h, ratio, kl = objective_coefficients(logp, ent, inp, config)
-        for s in range(0, n, chunk):
+        for s in range(0, n if (need_dh or need_dw or need_db) else 0, chunk):
             e = min(n, s + chunk)
             z = chunk_logits(s, e)
             dz = bwd(z, targets[s:e], lses[s:e], g[s:e], None if h is None else h[s:e],
@@ -254,8 +255,13 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     inp = prepare_objective(n, dev, cdt, advantages, mask, old_logp, ref_logp, weights, cu, config, num_items)
     chunk = chunk_size or default_chunk_size(n, weight.shape[0], hidden.dtype, dev)
     side = {}
-    loss = FusedLinearGRPOFunction.apply(hidden, weight, bias, targets, inp, config, chunk, backend,
-                                         bool(return_entropy), side)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
+        loss = FusedLinearGRPOFunction.apply(hidden, weight, bias, targets, inp, config, chunk, backend,
+                                             bool(return_entropy), side)
+    else:  # scoring only: no gradient kernel, no gradient matmuls
+        loss, logp, ent, ratio, kl, _, _, _ = fused_linear_fwd(
+            hidden, weight, bias, targets, inp, config, chunk, backend, bool(return_entropy), False, False, False)
+        side.update(logp=logp, entropy=ent, metrics=objective_metrics(ratio, kl, ent, inp, config))
     ent = side["entropy"] if (return_entropy or config.entropy_coef != 0.0) else None
     return LossOutput(loss=loss, logp=side["logp"], entropy=ent, metrics=side["metrics"])
 

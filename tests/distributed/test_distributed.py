@@ -1,6 +1,6 @@
 """Distributed training on CPU: 2 processes (torchrun, gloo) train 2 GRPO steps and end with
 identical weights on both ranks, equal to one process replaying both ranks' rollouts (DeepSpeed
-ZeRO-2 and ZeRO-3, torch DDP); and fastgrpo's Trainer on DeepSpeed ZeRO-2 does the same.
+ZeRO-1, 2 and 3, torch DDP); and fastgrpo's Trainer on DeepSpeed ZeRO-2 and ZeRO-3 does the same.
 
 Each launch runs under a hard timeout and is killed as a process group, so a hung collective
 can never hang CI.
@@ -54,8 +54,8 @@ CONFIGS = [  # backend, ZeRO stage, optimizer, tolerance against the 1-process r
     # AdamW as users run it; Adam divides by √v, so reduction-order noise on tiny grads shows
     ("deepspeed", 1, "adamw", 1e-4),
 ]
-# fastgrpo's Trainer itself (distributed.backend=deepspeed, ZeRO-2), trained in the same launch
-SPEC = ",".join(f"{b}:{s}:{o}" for b, s, o, _ in CONFIGS) + ",trainer:2:adamw"
+# fastgrpo's Trainer itself (distributed.backend=deepspeed, ZeRO-2 and ZeRO-3), in the same launch
+SPEC = ",".join(f"{b}:{s}:{o}" for b, s, o, _ in CONFIGS) + ",trainer:2:adamw,trainer:3:adamw"
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +88,11 @@ def test_two_ranks_identical_weights(runs, backend, stage, opt, tol):
     assert r0["micro"] == r1["micro"] > 1
 
 
-def test_trainer_two_ranks_identical_weights(runs):
-    """The Trainer on DeepSpeed ZeRO-2: 2 steps, weights changed and identical on both ranks."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_two_ranks_identical_weights(runs, stage):
+    """The Trainer on DeepSpeed ZeRO: 2 steps, weights changed and identical on both ranks."""
     d, _ = runs
-    r0, r1 = (torch.load(d / f"trainer_2_adamw_rank{r}.pt") for r in (0, 1))
+    r0, r1 = (torch.load(d / f"trainer_{stage}_adamw_rank{r}.pt") for r in (0, 1))
     w0, w1 = r0["w"], r1["w"]
     assert torch.equal(w0, w1), f"ranks diverged: max |Δ| = {(w0 - w1).abs().max():.3g}"
     assert (w0 - _initial_weights()).abs().max() > 1e-4, "the trainer did not change the weights"

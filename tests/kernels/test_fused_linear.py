@@ -94,6 +94,21 @@ def test_frozen_weight_gets_no_gradient_and_only_hidden_is_computed():
     assert hid.grad is not None and torch.count_nonzero(hid.grad) > 0 and w.grad is None
 
 
+def test_no_grad_scoring_matches_the_training_forward():
+    b = make_linear(30, 8, 77, [12, 18], seed=5)
+    cfg = CONFIGS["sequence-all"]
+    kw = loss_kwargs(b, USES, torch.float32)
+    args = (b["hidden"].float(), b["weight"].float(), b["targets"], b["advantages"].float())
+    with torch.no_grad():
+        scored = fused_linear_grpo_loss(*args, config=cfg, chunk_size=7, impl="triton", return_entropy=True, **kw)
+    trained = fused_linear_grpo_loss(args[0].clone().requires_grad_(True), *args[1:], config=cfg, chunk_size=7,
+                                     impl="triton", return_entropy=True, **kw)
+    assert not scored.loss.requires_grad and trained.loss.requires_grad
+    assert torch.equal(scored.loss, trained.loss.detach()) and torch.equal(scored.logp, trained.logp)
+    assert torch.equal(scored.entropy, trained.entropy)
+    assert scored.metrics.keys() == trained.metrics.keys()
+
+
 def test_default_chunk_fits_the_budget():
     assert default_chunk_size(65536, 151936, torch.bfloat16, torch.device("cuda")) * 151936 * 2 <= 2 ** 30
     assert default_chunk_size(3, 151936, torch.bfloat16, torch.device("cuda")) == 3

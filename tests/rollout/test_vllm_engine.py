@@ -175,7 +175,8 @@ def test_sync_by_reference_gives_the_same_engine(llama):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(transport="nccl"), "transport='nccl'"), (dict(transport="cuda_ipc"), "needs a CUDA device"),
     (dict(sleep_level=3), "sleep_level=3"), (dict(kv_cache_bytes=-1), "kv_cache_bytes=-1"),
-    (dict(max_model_len=1), "max_model_len=1"),
+    (dict(max_model_len=1), "max_model_len=1"), (dict(bucket_bytes=100), "bucket_bytes=100"),
+    (dict(dtype=torch.int8), "dtype=torch.int8"),
 ])
 def test_bad_settings_fail_before_starting(kwargs, match):
     model, tok = build_tiny_model("qwen2", seed=0)

@@ -15,10 +15,11 @@ def test_defaults_load_and_validate():
 
 def test_yaml_file_and_overrides(tmp_path):
     p = tmp_path / "run.yaml"
-    p.write_text("steps: 7\noptimizer: {lr: 0.01, betas: [0.8, 0.9]}\nrollout: {engine: torch}\n")
+    p.write_text("steps: 7\noptimizer: {lr: 1e-2, betas: [0.8, 0.9]}\nrollout: {engine: torch}\n")
     cfg = load_config(str(p), ["optimizer.lr=1e-3", "rollout.group_size=4", "algorithm.dual_clip_c=3",
                                "logging.tensorboard=false", "rewards.functions=[accuracy]", "rewards.weights=[2]"])
     assert cfg.steps == 7
+    assert load_config(str(p)).optimizer.lr == 0.01  # YAML 1.1 reads 1e-2 as a string; taken as a float
     assert cfg.optimizer.lr == pytest.approx(1e-3) and cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.group_size == 4 and cfg.algorithm.dual_clip_c == 3.0
     assert cfg.logging.tensorboard is False and cfg.rewards.weights == [2.0]
