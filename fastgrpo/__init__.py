@@ -29,6 +29,9 @@ _EXPORTS = {
     "RewardPool": "fastgrpo.rewards",
     "combine_rewards": "fastgrpo.rewards",
     "Curriculum": "fastgrpo.curriculum",
+    "DistributedBackend": "fastgrpo.distributed",
+    "FastGRPOTrainer": "fastgrpo.integrations.trl",
+    "patch_trl_loss": "fastgrpo.integrations.trl",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

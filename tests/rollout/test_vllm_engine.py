@@ -182,3 +182,48 @@ def test_bad_settings_fail_before_starting(kwargs, match):
     model, tok = build_tiny_model("qwen2", seed=0)
     with pytest.raises(ValueError, match=match):
         make_engine("vllm", model, tok, **kwargs)
+
+
+class _RecordingLLM:
+    """Stands in for vllm.LLM to check the GPU sleep / wake order without a GPU."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def sleep(self, level):
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.log.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.log.append(("generate",))
+        return []
+
+
+class _RecordingSender:
+    def __init__(self, log):
+        self.log = log
+
+    def sync(self, named):
+        self.log.append(("sync", len(named)))
+
+
+def test_gpu_sleep_order_never_holds_old_and_new_weights_with_kv_cache():
+    from fastgrpo.rollout.vllm_engine import VLLMEngine
+
+    log = []
+    eng = object.__new__(VLLMEngine)          # the bookkeeping only: no engine start
+    eng.cuda, eng.sleep_level, eng._asleep = True, 2, set()
+    eng.llm, eng._sender, eng.dtype = _RecordingLLM(log), _RecordingSender(log), torch.float32
+    eng.sleep()
+    eng.sleep()                                # idempotent
+    eng.update_weights([("w", torch.zeros(2))])
+    assert eng.sleeping                        # the KV cache stays released until the next generate
+    eng.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2))
+    assert log == [("sleep", 2), ("wake_up", ("weights",)), ("sync", 1), ("reset_prefix_cache",),
+                   ("wake_up", ("kv_cache",)), ("generate",)]
+    assert not eng.sleeping
