@@ -87,29 +87,28 @@ def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, sync: O
 _CHILD = r"""
 import importlib, json, os, sys, psutil
 proc = psutil.Process()
+def anon():
+    # RSS minus file-backed pages: library code evicted and re-read under memory pressure would
+    # otherwise count as the measured call's allocation.
+    m = proc.memory_info()
+    return m.rss - m.shared
 mod = importlib.import_module(sys.argv[1])
 func = getattr(mod, sys.argv[2])
 kwargs = json.loads(sys.argv[3])
 prep = func(prepare=True, **kwargs)          # allocate inputs; not counted
 import gc; gc.collect()
-base = proc.memory_info().rss
+base = anon()
 peak = {"v": base}
 import threading, time
 stop = False
 def poll():
     while not stop:
-        peak["v"] = max(peak["v"], proc.memory_info().rss)
+        peak["v"] = max(peak["v"], anon())
         time.sleep(0.002)
 t = threading.Thread(target=poll, daemon=True); t.start()
 func(prepared=prep, **kwargs)
 stop = True; t.join()
-peak["v"] = max(peak["v"], proc.memory_info().rss)
-try:
-    import resource
-    hw = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak["v"] = max(peak["v"], hw) if hw > base else peak["v"]
-except Exception:
-    pass
+peak["v"] = max(peak["v"], anon())
 print("PEAK_MB", (peak["v"] - base) / 2**20)
 """
 
@@ -119,8 +118,8 @@ def peak_rss_subprocess(module: str, func: str, kwargs: Dict, timeout: float = 6
 
     `func(prepare=True, **kwargs)` must return the prepared inputs (not counted) and
     `func(prepared=p, **kwargs)` must run the measured work once.
-    Note: ru_maxrss is a lifetime high-water mark, so it only wins over the poller when the
-    measured call is what pushed the process to its peak (inputs are allocated before `base`).
+    Memory is anonymous RSS (rss − shared), polled every 2 ms; ru_maxrss is not used because it
+    is a lifetime high-water mark that would count the input preparation.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -16,6 +16,8 @@ _EXPORTS = {
     "token_logprobs": "fastgrpo.loss",
     "fused_linear_grpo_loss": "fastgrpo.loss",
     "compute_advantages": "fastgrpo.advantages",
+    "zero_std_groups": "fastgrpo.advantages",
+    "trl_loss_config": "fastgrpo.loss",
     "broadcast_to_tokens": "fastgrpo.advantages",
     "pack_sequences": "fastgrpo.packing",
     "balance_partitions": "fastgrpo.packing",

@@ -2,9 +2,9 @@
 
 A character-level tokenizer and a tiny Qwen2-style model (hidden 64, 2 layers, ~80k parameters)
 learn the built-in addition task (fastgrpo/demo/arithmetic.py) on a 2-core CPU. The SFT cold
-start uses noisy traces — half of the sums with a carry have the carry dropped, the slip of a
-weak teacher — so the model learns the format and the easy sums but is torn on carries (≈ half
-of the held-out sums right). GRPO with accuracy + format rewards, G = 8, clip-higher, dropping
+start uses noisy traces — 60% of the sums with a carry have the carry dropped, the slip of a
+weak teacher — so the model learns the format and the sums without a carry, but its most likely
+answer to a carry is the slip (≈ half of the held-out sums right, 0.48–0.64 over seeds 0–4). GRPO with accuracy + format rewards, G = 8, clip-higher, dropping
 zero-σ groups and retiring solved prompts (difficulty filter) then settles the carries against
 the verifiable reward. Held-out accuracy is printed and logged (`eval/accuracy`) at
 the SFT checkpoint (step 0) and after the last GRPO step.
@@ -29,7 +29,7 @@ seed: 0
 threads: 1                # tiny matmuls gain nothing from 2 threads, and lose 20× when the 2 cores are busy
 model: {path: tiny, arch: qwen2, hidden_size: 64, num_hidden_layers: 2, intermediate_size: 128, num_attention_heads: 2}
 data: {task: arithmetic, max_operand: 50, num_heldout: 200}
-sft: {steps: 300, batch_size: 64, lr: 3.0e-3, noise: 0.5}   # half the carry traces drop the carry: ~half the held-out sums right
+sft: {steps: 500, batch_size: 64, lr: 3.0e-3, noise: 0.6}   # 60% of carry traces drop the carry: ~half the held-out sums right
 rollout: {engine: torch, group_size: 8, prompts_per_step: 32, temperature: 1.0, max_new_tokens: 24}
 rewards: {functions: [accuracy, format], weights: [1.0, 0.1]}
 algorithm: {inner_steps: 1, eps_low: 0.2, eps_high: 0.28, beta: 0.0, drop_zero_std: true, max_pass_rate: 0.9}

@@ -1,7 +1,6 @@
 """Fixtures of the trainer tests: a tiny config (1-layer, hidden 32 model; 10×10 addition
 problems; 4 prompts × G=4 per step) and a task whose reward varies across samples even for an
 untrained model, so that every step really updates the weights."""
-import random
 
 from fastgrpo.config import load_config
 from fastgrpo.demo.arithmetic import ArithmeticTask
