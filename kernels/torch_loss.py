@@ -61,6 +61,9 @@ def _shifted_tile(src: torch.Tensor, shift: torch.Tensor, buf: torch.Tensor, inv
     return out
 
 
+_SHIFT_FLOOR = -1e30  # finite in float32 and float64
+
+
 @torch.no_grad()
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                   need_entropy: bool = False, vocab_chunk: Optional[int] = None):
@@ -83,7 +86,9 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             src = logits[r0:r1, c0:c1]
-            cm = src.amax(dim=1).to(cdt)  # max of raw logits is exact in any dtype; τ > 0 keeps order
+            # max of raw logits is exact in any dtype (τ > 0 keeps order); floored at −1e30 so a
+            # tile that is all −inf shifts by a finite value instead of making (−inf) − (−inf) = NaN
+            cm = src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR)
             m_new = cm if m is None else torch.maximum(m, cm)
             y = _shifted_tile(src, m_new, ybuf, inv_tau)  # (z − m_new)/τ ≤ 0
             if need_entropy:
@@ -238,7 +243,7 @@ def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: 
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         src = logits[r0:r1]
-        m = src.amax(dim=1).to(cdt)
+        m = src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR)
         y = _shifted_tile(src, m, ybuf, inv_tau)  # (z − m)/τ
         e = torch.exp(y, out=ebuf[: r1 - r0]) if need_entropy else y.exp_()
         s = e.sum(dim=1)
@@ -311,6 +316,9 @@ def grpo_loss_torch(logits: torch.Tensor, targets: torch.Tensor, advantages: tor
     config = config or LossConfig()
     need_ent = return_entropy or config.entropy_coef != 0.0
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
+    # A leaf (a user's own tensor or parameter) is never overwritten: its values would be lost and
+    # its .grad would alias them. In place is for activations (the lm_head output).
+    inplace_backward = bool(inplace_backward) and not logits.is_leaf
     if single_pass is None:
         single_pass = wants_grad and config.ratio_level == "token"
     if single_pass and wants_grad:

@@ -195,3 +195,39 @@ def test_strided_logits_view():
     for impl in ("torch", "two-pass"):
         for inplace in (False, True):
             compare(inp_t, CONFIGS["entropy-tau"], inplace_backward=inplace, impl=impl)
+
+
+def test_leading_all_neg_inf_vocab_tile_gives_finite_logprobs():
+    """A row whose first vocabulary tile is all −inf (masked-out vocabulary) must not turn the
+    online log-sum-exp into NaN ((−inf) − (−inf))."""
+    from fastgrpo.kernels.reference import token_logprobs_reference
+    from fastgrpo.kernels.torch_loss import logprob_stats
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 50, dtype=torch.float64)
+    x[0, :20] = -float("inf")
+    x[3, 16:] = -float("inf")
+    y = torch.tensor([30, 1, 2, 3, 4])
+    logp, _, _ = logprob_stats(x, y, 1.0, False, vocab_chunk=16)
+    ref, _ = token_logprobs_reference(x, y)
+    assert torch.isfinite(logp).all(), logp
+    torch.testing.assert_close(logp, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_inplace_backward_never_overwrites_a_leaf(ratio_level):
+    from fastgrpo import LossConfig, grpo_loss
+    from fastgrpo.kernels.reference import grpo_loss_reference
+
+    torch.manual_seed(1)
+    x = torch.randn(6, 33, dtype=torch.float64, requires_grad=True)
+    before = x.detach().clone()
+    y = torch.randint(0, 33, (6,))
+    a = torch.randn(6, dtype=torch.float64)
+    cfg = LossConfig(ratio_level=ratio_level)
+    out = grpo_loss(x, y, a, config=cfg, inplace_backward=True)
+    out.loss.backward()
+    assert torch.equal(x.detach(), before)
+    xr = before.clone().requires_grad_()
+    grpo_loss_reference(xr, y, a, config=cfg).loss.backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-10)
