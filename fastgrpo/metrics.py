@@ -158,7 +158,8 @@ PLOTS = (
     ("reward.png", "reward", ("reward/mean", "reward/accuracy/mean", "reward/format/mean")),
     ("accuracy.png", "accuracy", ("train/accuracy", "eval/accuracy")),
     ("length.png", "completion length", ("completion/length_mean", "completion/length_max")),
-    ("kl.png", "KL to reference", ("loss/kl_mean",)),
+    # KL exists only when β > 0 (no reference model otherwise); the policy entropy is always drawn
+    ("kl.png", "KL to reference (β > 0) and policy entropy", ("loss/kl_mean", "loss/entropy_mean")),
 )
 
 

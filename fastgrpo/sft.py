@@ -44,6 +44,8 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     from .packing import build_packed_batches
 
     scfg = cfg.sft
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=scfg.lr, weight_decay=0.0)
     eos = tokenizer.eos_token_id

@@ -6,12 +6,19 @@ position ids (so padding does not shift positions) and the HF cache. Sampling fo
 order — logits in float32 → / temperature → top-k → top-p → sample — and reports the log-prob of
 the sampled token under that processed distribution (see base.py for what top-k / top-p do to
 it). Each completion with a seed gets its own `torch.Generator`, so a completion does not depend
-on the rest of the batch.
+on the rest of the batch (_decode.py: per-row Gumbel noise, drawn several steps at a time).
 
-Departures from vLLM: no continuous batching (a batch runs until its longest row ends; finished
-rows are fed padding), no prefix cache; stop strings are matched on the decoded completion.
-Weight updates are direct (sync/direct.py): by default the engine *shares* the trainer's module,
-so after an optimizer step there is nothing to copy.
+Tuned for tiny models on CPU, where framework overhead, not FLOPs, sets the pace (see
+benchmarks/bench_rollout.py): the prefill runs once per distinct prompt and its cache is expanded
+to the G completions of the group (vLLM's prefix cache does the same job); finished rows leave the
+batch at once (compaction, like a continuous-batching scheduler that admits nothing new); the
+bookkeeping is one vectorised op per step instead of a Python loop over rows; tiny decode steps
+run on one intra-op thread (see `_threads`).
+
+Departures from vLLM: no continuous batching (no new requests join a running batch), no prefix
+cache across calls; stop strings are matched on the decoded completion. Weight updates are
+direct (sync/direct.py): by default the engine *shares* the trainer's module, so after an
+optimizer step there is nothing to copy.
 """
 from __future__ import annotations
 
@@ -20,7 +27,12 @@ from typing import List, Optional
 
 import torch
 
+from fastgrpo.rollout._decode import GumbelNoise, HFStepper, LeanStepper, noise_chunk, pick
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
+
+# Decode steps below this many FLOPs (2 · parameters · batch) run on one thread (see _threads).
+_SMALL_STEP_FLOP = 1e9
+_DECODERS = ("auto", "hf")
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -42,10 +54,26 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 
 class TorchEngine(RolloutEngine):
+    """Rollouts on an HF causal LM in this process.
+
+    max_batch_size: completions decoded together; num_threads: intra-op threads while decoding
+    (None: 1 for small steps, see `_threads`; the process's setting is restored afterwards);
+    decoder: "auto" runs Qwen2 / Llama decode steps through `LeanStepper` (_decode.py) and any
+    other model through its HF module, "hf" always uses the HF module (the reference path).
+    """
+
     def __init__(self, model: torch.nn.Module, tokenizer=None, copy_model: bool = False,
-                 max_batch_size: int = 64, pad_token_id: Optional[int] = None):
+                 max_batch_size: int = 64, pad_token_id: Optional[int] = None, num_threads: Optional[int] = None,
+                 decoder: str = "auto"):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r}: expected an integer >= 1")
+        if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
+            raise ValueError(f"num_threads={num_threads!r}: expected an integer >= 1 or None (auto)")
+        if decoder not in _DECODERS:
+            raise ValueError(f"decoder={decoder!r}: expected one of {list(_DECODERS)} ('auto': the lean Qwen2/Llama "
+                             "decoder where supported, else the HF module; 'hf': always the HF module)")
+        self.num_threads = num_threads
+        self.decoder = decoder
         self.model = copy.deepcopy(model) if copy_model else model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -65,6 +93,19 @@ class TorchEngine(RolloutEngine):
     def close(self) -> None:
         self.model = None
 
+    def _threads(self, batch: int) -> int:
+        """Intra-op threads for decoding a batch: the constructor's `num_threads`, else 1 when a
+        decode step is small (< 1 GFLOP: every size up to hidden 256, 4 layers, batch 128).
+        Measured on the shared 2-core CPU: at hidden 64 / batch 64 a step's matmuls are
+        [64, 64] x [64, 128], ~12 µs on one thread; with a second OpenMP thread on a busy machine
+        they took 0.05-4 ms (the thread team spins on an occupied core), a 1.4-3 s rollout instead
+        of 20 ms. At hidden 256 / 4 layers / batch 128 (0.56 GFLOP a step) two threads won when
+        the machine was idle (252 vs 417 ms) and lost 20x when it was not (10.3 s vs 0.48 s)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return 1 if 2 * n_params * batch < _SMALL_STEP_FLOP else torch.get_num_threads()
+
     def _sample(self, prompt_ids, sampling: SamplingConfig, max_new_tokens: int, seeds) -> List[Completion]:
         out: List[Completion] = []
         for i in range(0, len(prompt_ids), self.max_batch_size):
@@ -72,65 +113,93 @@ class TorchEngine(RolloutEngine):
                                           seeds[i:i + self.max_batch_size]))
         return out
 
-    @torch.no_grad()
     def _sample_batch(self, prompt_ids, sampling: SamplingConfig, max_new_tokens: int, seeds) -> List[Completion]:
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
+        threads = torch.get_num_threads()
+        want = self._threads(len(prompt_ids)) if device.type == "cpu" else threads
         model.eval()
         try:
-            return self._loop(model, device, prompt_ids, sampling, max_new_tokens, seeds)
+            if want != threads:
+                torch.set_num_threads(want)
+            with torch.inference_mode():
+                return self._loop(model, device, prompt_ids, sampling, max_new_tokens, seeds)
         finally:
+            if want != threads:
+                torch.set_num_threads(threads)
             model.train(was_training)
 
-    def _loop(self, model, device, prompt_ids, sampling, max_new_tokens, seeds) -> List[Completion]:
-        B = len(prompt_ids)
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((B, width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((B, width), dtype=torch.long, device=device)
-        for r, p in enumerate(prompt_ids):
+    def _prefill(self, model, device, prompt_ids):
+        """One forward over the *distinct* prompts (a GRPO group repeats its prompt G times), then
+        the cache and last logits are expanded to one row per completion. Every distinct prompt is
+        still left-padded to the width of the whole batch, as without dedup."""
+        index, uniq, inv = {}, [], []
+        for p in prompt_ids:
+            key = tuple(p)
+            if key not in index:
+                index[key] = len(uniq)
+                uniq.append(p)
+            inv.append(index[key])
+        width = max(len(p) for p in uniq)
+        ids = torch.full((len(uniq), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long, device=device)
+        for r, p in enumerate(uniq):
             ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
             mask[r, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
-        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
-        toks: List[List[int]] = [[] for _ in range(B)]
-        lps: List[List[float]] = [[] for _ in range(B)]
-        reason: List[Optional[str]] = [None] * B
-        cache = None
-        step_ids, step_pos = ids, pos
-        for _ in range(max_new_tokens):
-            res = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
-                        use_cache=True)
-            cache = res.past_key_values
-            logits = res.logits[:, -1, :].float()
-            nxt, lp = self._pick(logits, sampling, gens)
-            for r in range(B):
-                if reason[r] is not None:
-                    continue
-                t = int(nxt[r])
-                toks[r].append(t)
-                lps[r].append(float(lp[r]))
-                if t in stop_ids or (sampling.stop and any(s in self._decode(toks[r]) for s in sampling.stop)):
-                    reason[r] = "stop"
-            if all(x is not None for x in reason):
-                break
-            live = torch.tensor([x is None for x in reason], device=device)
-            step_ids = torch.where(live, nxt, torch.full_like(nxt, self.pad_id)).unsqueeze(1)
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, live.long().unsqueeze(1)], dim=1)
-        return [Completion(toks[r], lps[r], reason[r] or "length", self._decode(toks[r])) for r in range(B)]
+        res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, logits = res.past_key_values, res.logits[:, -1, :].float()
+        if len(uniq) < len(prompt_ids):
+            inv_t = torch.tensor(inv, dtype=torch.long, device=device)
+            cache.batch_select_indices(inv_t)
+            logits, mask, pos = logits[inv_t], mask[inv_t], pos[inv_t]
+        return cache, logits, mask, pos[:, -1] + 1
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingConfig, gens):
-        if sampling.temperature == 0:
-            logp = logits.log_softmax(-1)
-            nxt = logits.argmax(-1)
-            return nxt, logp.gather(-1, nxt[:, None])[:, 0]
-        z = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        logp = z.log_softmax(-1)
-        probs = logp.exp()
-        nxt = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-        for r, g in enumerate(gens):
-            nxt[r] = torch.multinomial(probs[r], 1, generator=g)[0]
-        return nxt, logp.gather(-1, nxt[:, None])[:, 0]
+    def _loop(self, model, device, prompt_ids, sampling, max_new_tokens, seeds) -> List[Completion]:
+        B = len(prompt_ids)
+        stop_t = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
+        cache, logits, mask, next_pos = self._prefill(model, device, prompt_ids)
+        if self.decoder == "auto" and LeanStepper.supports(model):
+            stepper = LeanStepper(model, cache, mask, max_new_tokens)
+        else:
+            stepper = HFStepper(model, cache, mask)
+        noise = None
+        if sampling.temperature > 0:
+            gens = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
+            noise = GumbelNoise(gens, logits.shape[-1], noise_chunk(logits.shape[-1], max_new_tokens), device)
+        out_tok = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        rows = torch.arange(B, device=device)          # original row of each live batch row
+        for t in range(max_new_tokens):
+            nxt, lp = pick(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                           None if noise is None else noise.at(t), process_logits)
+            out_tok[rows, t] = nxt
+            out_lp[rows, t] = lp
+            done = torch.isin(nxt, stop_t)
+            if sampling.stop:
+                for i, r in enumerate(rows.tolist()):
+                    if not done[i] and any(s in self._decode(out_tok[r, :t + 1].tolist()) for s in sampling.stop):
+                        done[i] = True
+            any_done = bool(done.any())
+            if any_done:
+                fin = rows[done]
+                length[fin] = t + 1
+                stopped[fin] = True
+            if t + 1 == max_new_tokens or (any_done and bool(done.all())):
+                break
+            if any_done:
+                keep = (~done).nonzero()[:, 0]
+                # compaction: finished rows leave the batch, so the long tail computes live rows only
+                rows, nxt, next_pos = rows[keep], nxt[keep], next_pos[keep]
+                stepper.select(keep)
+                if noise is not None:
+                    noise.select(keep, keep.tolist())
+            logits = stepper.step(nxt, next_pos, t)
+            next_pos = next_pos + 1
+        toks, lps = out_tok.tolist(), out_lp.tolist()
+        lens, stop = length.tolist(), stopped.tolist()
+        return [Completion(toks[r][:lens[r]], lps[r][:lens[r]], "stop" if stop[r] else "length",
+                           self._decode(toks[r][:lens[r]])) for r in range(B)]

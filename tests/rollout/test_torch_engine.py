@@ -10,10 +10,10 @@ from fastgrpo.rollout.torch_engine import TorchEngine, process_logits
 PROMPTS = ["1+2=", "12*34-5=", "a", "(7+8)*9="]
 
 
-def _model(arch, head_dim, seed=3, tie=True):
+def _model(arch, head_dim, seed=3, tie=True, kv_heads=1):
     heads = 64 // head_dim
     model, tok = build_tiny_model(arch, seed=seed, head_dim=head_dim, num_attention_heads=heads,
-                                  num_key_value_heads=1, tie_word_embeddings=tie)
+                                  num_key_value_heads=kv_heads, tie_word_embeddings=tie)
     # the random init is nearly flat; a perturbation gives prompt-dependent, varied outputs
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
@@ -140,3 +140,108 @@ def test_update_weights_shared_and_copied():
     assert [c[0].token_ids for c in copied.generate(PROMPTS, 1, g)] == after_shared
     with pytest.raises(ValueError, match=r"no parameters named \['bogus'\]"):
         copied.update_weights(list(model.named_parameters()) + [("bogus", torch.zeros(1))])
+
+
+# ---- the fast decode path: lean decoder, compaction, prefill dedup, vectorised sampling, threads
+
+MIXED = ["1+2=", "12*34-5=", "1+2=", "a", "1+2=", "(7+8)*9="]   # repeated prompts: prefill dedup
+
+
+def _outputs(eng, prompts, s, seeds):
+    eng.eos_ids = set()             # the cases pick their own stop ids
+    ids = [eng._encode(p, i) for i, p in enumerate(prompts)]
+    return eng._sample(ids, s, s.max_new_tokens, seeds)
+
+
+@pytest.mark.parametrize("arch, head_dim, kv_heads", [("llama", 32, 1), ("qwen2", 32, 1), ("qwen2", 64, 1),
+                                                      ("llama", 16, 2)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lean_decoder_equals_hf_module_path(arch, head_dim, kv_heads, temperature):
+    model, tok = _model(arch, head_dim, seed=13, tie=arch == "qwen2", kv_heads=kv_heads)
+    seeds = list(range(40, 40 + len(MIXED)))
+    free = _outputs(TorchEngine(model, tok, decoder="hf"), MIXED, SamplingConfig(temperature, max_new_tokens=14), seeds)
+    # a stop id the first completion emits at step 3: that row finishes early, others may not
+    s = SamplingConfig(temperature=temperature, max_new_tokens=14, stop_token_ids=(free[0].token_ids[2],))
+    lean = _outputs(TorchEngine(model, tok), MIXED, s, seeds)
+    hf = _outputs(TorchEngine(model, tok, decoder="hf"), MIXED, s, seeds)
+    for a, b in zip(lean, hf):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert lean[0].finish_reason == "stop" and len(lean[0].token_ids) <= 3
+
+
+def test_compaction_and_dedup_do_not_change_a_completion():
+    """Rows that stop early leave the batch and repeated prompts share one prefill; every
+    completion must still equal the one its seed gives alone."""
+    model, tok = _model("qwen2", 32, seed=17)
+    eng = TorchEngine(model, tok)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=(7, 11))
+    seeds = [3 * i + 1 for i in range(len(MIXED))]
+    batched = _outputs(eng, MIXED, s, seeds)
+    lengths = {len(c.token_ids) for c in batched}
+    assert len(lengths) > 1 and "stop" in {c.finish_reason for c in batched}
+    for p, seed, c in zip(MIXED, seeds, batched):
+        alone = _outputs(eng, [p], s, [seed])[0]
+        assert alone.token_ids == c.token_ids and alone.finish_reason == c.finish_reason
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in (7, 11) and not set(c.token_ids[:-1]) & {7, 11}
+        # each token's log-prob is the forward pass's, also after other rows were dropped
+        lp, y = _forward_logprobs(model, tok, p, c.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(-1, y[:, None])[:, 0], atol=1e-4, rtol=0)
+
+
+def test_stop_token_on_the_last_step_is_a_stop():
+    model, tok = _model("llama", 32, seed=3)
+    eng = TorchEngine(model, tok)
+    eng.eos_ids = set()
+    greedy = eng.generate(["1+2="], 1, SamplingConfig(temperature=0, max_new_tokens=6))[0][0]
+    last = greedy.token_ids[-1]
+    first = greedy.token_ids.index(last) + 1
+    c = eng.generate(["1+2="], 1, SamplingConfig(temperature=0, max_new_tokens=first, stop_token_ids=(last,)))[0][0]
+    assert c.finish_reason == "stop" and len(c.token_ids) == first
+
+
+def test_unsupported_architecture_falls_back_to_the_hf_module():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fastgrpo.demo.tiny import build_char_tokenizer
+    from fastgrpo.rollout._decode import LeanStepper
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=64))
+    assert not LeanStepper.supports(model)
+    eng = TorchEngine(model, tok)
+    eng.eos_ids = set()
+    out = eng.generate(PROMPTS, 1, SamplingConfig(temperature=0, max_new_tokens=6))
+    for p, grp in zip(PROMPTS, out):
+        assert grp[0].token_ids == _hf_greedy(model, tok, p, 6), p
+
+
+def test_gumbel_sampling_follows_the_processed_distribution():
+    from fastgrpo.rollout._decode import GumbelNoise, pick
+
+    n, logits = 20000, torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, -3.0])
+    z = logits.expand(n, -1).contiguous()
+    noise = GumbelNoise([None] * n, logits.numel(), chunk=1, device="cpu")
+    tok, lp = pick(z, 0.7, 4, 1.0, noise.at(0), process_logits)
+    want = process_logits(logits[None], 0.7, 4, 1.0).softmax(-1)[0]
+    freq = torch.bincount(tok, minlength=logits.numel()).float() / n
+    assert (freq - want).abs().max() < 0.015, (freq, want)          # 4.5 σ at p = 0.5
+    assert freq[[3, 5]].sum() == 0                                  # top-k cut tokens never drawn
+    torch.testing.assert_close(lp, want.log()[tok])
+
+
+def test_threads_are_restored_and_arguments_checked():
+    model, tok = _model("qwen2", 32)
+    before = torch.get_num_threads()
+    TorchEngine(model, tok, num_threads=1).generate(["1+2="], 2, SamplingConfig(max_new_tokens=4, seed=0))
+    TorchEngine(model, tok).generate(["1+2="], 2, SamplingConfig(max_new_tokens=4, seed=0))
+    assert torch.get_num_threads() == before
+    assert TorchEngine(model, tok)._threads(64) == 1            # tiny step: one thread
+    assert TorchEngine(model, tok, num_threads=3)._threads(64) == 3
+    with pytest.raises(ValueError, match="num_threads=0"):
+        TorchEngine(model, tok, num_threads=0)
+    with pytest.raises(ValueError, match="decoder='vllm'"):
+        TorchEngine(model, tok, decoder="vllm")
