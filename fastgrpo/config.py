@@ -61,8 +61,6 @@ class RewardsConfig:
     weights: List[float] = field(default_factory=lambda: [1.0, 0.1])  # weight of each function in the total
     on_error: str = "zero"  # a reward fn that raises: "zero" scores error_score, "drop" drops the group
     error_score: float = 0.0  # score given to a completion whose reward fn raised (on_error=zero)
-    num_workers: int = 0  # verifier process-pool size (0: in-process, fastest for the tiny task)
-    timeout_s: float = 5.0  # per-completion verifier timeout when num_workers > 0
 
 
 @dataclass
@@ -134,7 +132,6 @@ class EvalConfig:
 @dataclass
 class SyncConfig:
     every: int = 1  # push trainer weights to the rollout engine every N steps
-    method: str = "auto"  # auto | ipc | shm | state_dict (how weights reach the engine)
 
 
 @dataclass
@@ -159,9 +156,9 @@ class CheckpointConfig:
 class DistributedConfig:
     backend: str = "none"  # none | deepspeed | ddp
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0..3
-    rank: int = 0  # this process's rank (filled from the launcher's environment)
-    world_size: int = 1  # number of training processes
-    local_rank: int = 0  # device index on this node
+    rank: int = 0  # this process's rank (set from the launcher's RANK when the trainer starts)
+    world_size: int = 1  # number of training processes (set from the launcher's WORLD_SIZE)
+    local_rank: int = 0  # device index on this node (set from the launcher's LOCAL_RANK)
 
 
 @dataclass
@@ -210,7 +207,7 @@ _CHECKS = {
     "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
     "rollout.top_k": ((lambda v: v == -1 or v >= 1), "-1 (off) or an integer >= 1"),
     "rollout.max_new_tokens": _POS_INT, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    "rewards.on_error": _choice("zero", "drop"), "rewards.num_workers": _NONNEG, "rewards.timeout_s": _POS,
+    "rewards.on_error": _choice("zero", "drop"),
     "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
     "algorithm.inner_steps": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
     "algorithm.weighting": _choice("inverse_pass", "uniform"),
@@ -221,7 +218,7 @@ _CHECKS = {
     "optimizer.min_lr_ratio": _PROB,
     "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
     "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
-    "sync.every": _POS_INT, "sync.method": _choice("auto", "ipc", "shm", "state_dict"),
+    "sync.every": _POS_INT,
     "logging.log_every": _POS_INT,
     "checkpoint.every": _NONNEG, "checkpoint.keep_last": _POS_INT,
     "distributed.backend": _choice("none", "deepspeed", "ddp"), "distributed.zero_stage": _choice(0, 1, 2, 3),

@@ -77,6 +77,9 @@ class Trainer:
             backend = backend_from_config(model, optimizer, scheduler, cfg.distributed, cfg.optimizer.max_grad_norm)
         self.backend = backend
         self.rank, self.world_size = backend.rank, backend.world_size
+        # the launcher (torchrun / deepspeed) decides the ranks; the config records them
+        cfg.distributed.rank, cfg.distributed.world_size = self.rank, self.world_size
+        cfg.distributed.local_rank = getattr(getattr(backend, "env", None), "local_rank", 0)
         # β = 0: no reference model at all (no memory, no forward)
         self.ref_model = None
         if cfg.algorithm.beta > 0:
