@@ -8,7 +8,6 @@
 """
 import types
 from collections import defaultdict
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -19,26 +18,8 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from fastgrpo.demo.tiny import build_tiny_model  # noqa: E402
 from fastgrpo.integrations.trl import FastGRPOTrainer, _install_forward, fastgrpo_compute_loss, patch_trl_loss  # noqa: E402
 
-B, P, C = 4, 5, 7  # sequences, prompt length, completion length
-TAU = 0.8
-GA, SPG = 2, 4  # gradient accumulation steps, steps per generation
-
-
-class _Accelerator:
-    num_processes = 1
-    sync_gradients = True
-    is_main_process = True
-
-    def autocast(self):
-        return nullcontext()
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
+from _trl_stand_in import GA, SPG, TAU, C, padded_batch  # noqa: E402
+from _trl_stand_in import StandInAccelerator as _Accelerator  # noqa: E402
 
 
 def _stand_in(model, loss_type, level, eps_high, delta, beta, bias_kl):
@@ -64,28 +45,7 @@ def setup():
     model.train()
     add_fused_lm_head(model, temperature=TAU, outputs=("log_probs", "entropy"))  # as GRPOTrainer does
     _install_forward(model)
-    g = torch.Generator().manual_seed(0)
-    v = model.config.vocab_size
-    prompt_ids = torch.randint(3, v, (B, P), generator=g)
-    prompt_mask = torch.ones(B, P, dtype=torch.long)
-    prompt_mask[1, :2] = 0  # left padding
-    completion_ids = torch.randint(3, v, (B, C), generator=g)
-    lengths = torch.tensor([C, 3, 0, 5])  # row 2 is fully masked
-    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
-        logp = torch.log_softmax(logits[:, P - 1:-1] / TAU, -1).gather(-1, completion_ids[..., None])[..., 0]
-    # old / ref policies near the current one so that ratios straddle 1 ± ε and δ
-    inputs = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=torch.tensor([1.3, -0.7, 0.4, -1.1], dtype=torch.float64),
-        old_per_token_logps=logp + 0.5 * torch.randn(B, C, generator=g, dtype=torch.float64),
-        ref_per_token_logps=logp + 0.3 * torch.randn(B, C, generator=g, dtype=torch.float64),
-        importance_sampling_ratio=0.6 + 0.8 * torch.rand(B, C, generator=g, dtype=torch.float64),
-        num_items_in_batch=torch.tensor(float(completion_mask.sum() * 3)),
-    )
+    inputs, lengths = padded_batch(model)
     return model, inputs
 
 
