@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .config import DataConfig, ModelConfig, OptimizerConfig, RewardsConfig, RolloutConfig
+from .rollout.vllm_engine import vllm_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,12 +90,6 @@ def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer):

@@ -1,0 +1,29 @@
+"""The embedded default (`fastgrpo train` with no arguments) uses vLLM when it is installed and
+the built-in engine otherwise, as the trainer issue asks."""
+import pytest
+
+from fastgrpo import builders
+from fastgrpo.demo.default import default_config
+
+
+def test_default_engine_is_auto():
+    assert default_config().rollout.engine == "auto"
+
+
+@pytest.mark.parametrize("installed, expected", [(True, "VLLMEngine"), (False, "TorchEngine")])
+def test_auto_picks_vllm_when_installed(monkeypatch, installed, expected):
+    picked = []
+
+    def fake_make_engine(kind, model, tokenizer, **kw):
+        picked.append(kind)
+        return "VLLMEngine"
+
+    monkeypatch.setattr(builders, "vllm_available", lambda: installed)
+    monkeypatch.setattr("fastgrpo.rollout.make_engine", fake_make_engine)
+    from fastgrpo.demo.tiny import build_tiny_model
+
+    model, tok = build_tiny_model(hidden_size=32, num_hidden_layers=1, intermediate_size=64)
+    eng = builders.build_rollout_engine(default_config().rollout, model, tok)
+    name = eng if isinstance(eng, str) else type(eng).__name__
+    assert name == expected
+    assert picked == (["vllm"] if installed else [])
