@@ -92,12 +92,31 @@ def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):
 
 
 
+# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py) serves only these head sizes.
+_VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_unsupported_reason(model):
+    """None when vLLM can serve `model` on this machine, else why not (auto then falls back)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if not torch.cuda.is_available() and head_dim not in _VLLM_CPU_HEAD_DIMS:
+        return f"head_dim={head_dim}, and vLLM's CPU attention needs one of {_VLLM_CPU_HEAD_DIMS}"
+    return None
+
+
 def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer):
     """engine=torch: the built-in engine sampling from the trainer's own module (no weight copy);
     vllm: a colocated vLLM engine loaded from a snapshot of the model; auto: vLLM when installed."""
     kind = rcfg.engine
     if kind == "auto":
-        kind = "vllm" if vllm_available() else "torch"
+        kind = "torch"
+        if vllm_available():
+            reason = vllm_unsupported_reason(model)
+            if reason is None:
+                kind = "vllm"
+            else:
+                print(f"[fastgrpo] rollout.engine=auto: built-in engine, since vLLM cannot serve this model: {reason}")
     if kind == "torch":
         from .rollout.torch_engine import TorchEngine
 

@@ -27,3 +27,17 @@ def test_auto_picks_vllm_when_installed(monkeypatch, installed, expected):
     name = eng if isinstance(eng, str) else type(eng).__name__
     assert name == expected
     assert picked == (["vllm"] if installed else [])
+
+
+def test_auto_falls_back_when_vllm_cannot_serve_the_model(monkeypatch, capsys):
+    """vLLM's CPU attention serves only some head sizes: `auto` then takes the built-in engine
+    and says why, instead of failing at engine start."""
+    from fastgrpo.demo.tiny import build_tiny_model
+
+    monkeypatch.setattr(builders, "vllm_available", lambda: True)
+    model, tok = build_tiny_model(hidden_size=32, num_attention_heads=2, head_dim=16, num_hidden_layers=1,
+                                  intermediate_size=64)
+    assert "head_dim=16" in builders.vllm_unsupported_reason(model)
+    eng = builders.build_rollout_engine(default_config().rollout, model, tok)
+    assert type(eng).__name__ == "TorchEngine"
+    assert "head_dim=16" in capsys.readouterr().out

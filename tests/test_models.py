@@ -135,6 +135,46 @@ def test_random_packing_matches_padded():
             assert (packed_logprobs(model, b) - ref).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("call_cost", [0, 10 ** 12, None])
+def test_bucketed_varlen_matches_padded(monkeypatch, call_cost):
+    """Sequences gathered into right-padded SDPA buckets (one bucket per length, everything in
+    one bucket, the default cost model) give the padded batch's log-probs and gradients."""
+    import fastgrpo.models as models
+
+    if call_cost is not None:
+        monkeypatch.setattr(models, "_CALL_COST", call_cost)
+    model = _model("qwen2").train()
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    n = 10
+    prompts = [torch.randint(3, VOCAB, (rng.randint(1, 30),), generator=g) for _ in range(n)]
+    comps = [torch.randint(3, VOCAB, (rng.choice([1, 2, 40, 60]),), generator=g) for _ in range(n)]
+    b = build_packed_batches(prompts, comps, [0.0] * n, 1024)[0]
+    coef = torch.linspace(-1.0, 2.0, b.num_completion_tokens)
+    lp = packed_logprobs(model, b)
+    (lp * coef).sum().backward()
+    plan = models._LAST_PLAN[0]
+    lens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
+    sizes = [(m, L) for _, m, L in plan.buckets]
+    assert sum(m for m, _ in sizes) == len(lens)
+    if call_cost == 0:  # only equal lengths share a call
+        assert len(sizes) == len(set(lens))
+    elif call_cost == 10 ** 12:
+        assert sizes == [(len(lens), max(lens))]
+    else:  # the default model splits this spread of lengths (2..90) into a few calls
+        assert 1 < len(sizes) < len(lens)
+    # every packed token has exactly one slot in the padded buckets
+    assert sorted(plan.unpad.tolist()) == sorted(set(plan.unpad.tolist()))
+    g_packed = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ref = _padded_logprobs(model, prompts, comps, b.seq_index.tolist())
+    (ref * coef).sum().backward()
+    err = (lp - ref).abs()
+    assert err.max() <= TOL, f"worst token {int(err.argmax())}: {lp[err.argmax()]} vs {ref[err.argmax()]}"
+    for k, p in model.named_parameters():
+        assert (g_packed[k] - p.grad).abs().max() <= TOL * max(1.0, p.grad.abs().max().item()), k
+
+
 def test_bad_input():
     model = _model("llama")
     b = build_packed_batches([[3, 4]], [[5]], [0.0], 8)[0]
