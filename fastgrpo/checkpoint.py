@@ -10,6 +10,12 @@ either the previous checkpoints only or the new complete one — never a half-wr
 the newest `keep_last` complete checkpoints and never deletes the one just written. This is the
 scheme of HF Trainer / DeepSpeed's "latest" pointer reduced to a rename, with the departure that
 "latest" is derived from the directory names instead of a pointer file (one file fewer to tear).
+
+Under DeepSpeed ZeRO the optimizer state is partitioned over ranks: every rank writes its
+partition (DeepSpeed's own `engine.save_checkpoint` layout, under `engine/`) and its RNG state
+(`rng-rank<r>.pt`) into the one temp directory of rank 0 (`shards=`), before the rename — so
+the checkpoint is still complete or absent, never partial. That needs a file system shared by
+the ranks (one node, or a shared mount), as DeepSpeed's own checkpoints do.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -104,13 +110,23 @@ def _remove_stale_tmp(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def begin_path(out_dir: str, step: int) -> str:
+    """The temp directory that `save_checkpoint` of this process builds step `step` in."""
+    return os.path.join(ckpt_root(out_dir), f".tmp-step-{step:08d}-{os.getpid()}")
+
+
 def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=None, curriculum=None,
                     tokenizer=None, extra: Optional[Dict[str, Any]] = None, keep_last: int = 2,
-                    model_state: Optional[Dict[str, torch.Tensor]] = None) -> str:
+                    model_state: Optional[Dict[str, torch.Tensor]] = None,
+                    shards: Optional[Callable[[str], None]] = None, tmp: Optional[str] = None) -> str:
     """Write checkpoint `step` atomically and prune older ones; returns its directory.
 
     `model` is saved with `save_pretrained` when it has one (else its state_dict); pass
     `model_state` to save a state dict gathered elsewhere (e.g. ZeRO-3 shards) instead.
+    `shards(tmp_dir)` writes state that lives on several ranks (ZeRO optimizer partitions)
+    into the temp directory before it is fsynced and renamed, so it is covered by the same
+    atomic rename; it must return only when every rank has finished writing. `tmp` is the
+    temp directory to use (`begin_path`, sent to the other ranks beforehand).
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r}: expected an integer >= 0")
@@ -120,29 +136,37 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
     os.makedirs(root, exist_ok=True)
     _remove_stale_tmp(root)
     final = os.path.join(root, f"step-{step:08d}")
-    tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
+    tmp = tmp or begin_path(out_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    mdir = os.path.join(tmp, "model")
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(mdir, safe_serialization=True, state_dict=model_state)
-    else:
-        os.makedirs(mdir)
-        torch.save(model_state if model_state is not None else model.state_dict(), os.path.join(mdir, "model.pt"))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(mdir)
-    state = {
-        "step": step,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "curriculum": curriculum.state_dict() if curriculum is not None else None,
-        "rng": rng_state(),
-        "extra": extra or {},
-    }
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"step": step, "format": 1}, f)
-    _fsync_tree(tmp)
+    try:
+        mdir = os.path.join(tmp, "model")
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(mdir, safe_serialization=True, state_dict=model_state)
+        else:
+            os.makedirs(mdir)
+            torch.save(model_state if model_state is not None else model.state_dict(), os.path.join(mdir, "model.pt"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(mdir)
+        if shards is not None:
+            shards(tmp)
+        state = {
+            "step": step,
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "curriculum": curriculum.state_dict() if curriculum is not None else None,
+            "rng": rng_state(),
+            "extra": extra or {},
+        }
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"step": step, "format": 1}, f)
+        _fsync_tree(tmp)
+    except BaseException:
+        # a failed write (a rank died inside `shards`, disk full) leaves only the complete
+        # checkpoints; remove the partial temp directory now instead of at the next process's save
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.exists(final):  # re-saving a step (resumed run): swap the old one out first
         old = final + f".old-{os.getpid()}"
         os.rename(final, old)

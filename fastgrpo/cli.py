@@ -10,6 +10,12 @@ happens here (house style rule 5).
     fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples)
     fastgrpo bench --set steps=10                   # median seconds per phase, tokens/s
     fastgrpo train --nvtx                           # NVTX range per phase for `nsys profile`
+    torchrun --nproc_per_node 2 -m fastgrpo.cli train --set distributed.backend=deepspeed
+    deepspeed --num_gpus 2 --module fastgrpo.cli train --set distributed.backend=deepspeed
+
+Under a multi-process launch only rank 0 prints (and draws the progress bar); the
+`--local_rank=N` that the `deepspeed` launcher adds is accepted and ignored (the rank is read
+from the launcher's LOCAL_RANK environment variable, fastgrpo.distributed.launcher_env).
 """
 from __future__ import annotations
 
@@ -50,15 +56,44 @@ def config_from_args(args):
     return default_config(overrides, out_dir=out)
 
 
+def strip_local_rank(argv: List[str]) -> List[str]:
+    """argv without `--local_rank=N` / `--local_rank N` (also `--local-rank`): the deepspeed
+    launcher inserts it before the user's arguments, where it would hide the subcommand."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--local_rank", "--local-rank"):
+            skip = "=" not in a and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit()
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from .distributed import launcher_env
+
+    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    try:
+        rank = launcher_env().rank
+    except ValueError as e:
+        print(f"fastgrpo: {e}", file=sys.stderr)
+        return 2
+    main_rank = rank == 0
+
+    def log(*a, **k):  # every rank computes the same thing: one copy of the output is enough
+        if main_rank:
+            print(*a, **k)
+
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["train"] + argv  # `fastgrpo` alone (or with options only) runs the demo
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
-        print(f"fastgrpo: {e}", file=sys.stderr)
+        log(f"fastgrpo: {e}", file=sys.stderr)
         return 2
     from . import pipeline
     from .trainer import TrainingStopped
@@ -66,9 +101,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only, "eval": pipeline.run_eval,
            "bench": pipeline.run_bench}[args.command]
     try:
-        run(cfg)
+        run(cfg, log=log)
     except TrainingStopped as e:
-        print(f"fastgrpo: {e}", file=sys.stderr)
+        log(f"fastgrpo: {e}", file=sys.stderr)
         return 3
     return 0
 

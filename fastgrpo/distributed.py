@@ -19,22 +19,27 @@ Departures, and why:
   `inference_all_reduce`, and building it costs ~50 s of C++ compilation on first use.
 - The torch optimizer the caller built is used (no DeepSpeed fused Adam: nothing to compile).
 
+- `step()` checks the global gradient for NaN / Inf before applying it and skips the update
+  (no optimizer or scheduler step) when it is not finite, under every backend; DeepSpeed alone
+  would apply it in bf16 without `check_grad_overflow`, and counts a skipped step as a step.
+
 Launch: `torchrun --nproc_per_node N …` or `deepspeed --num_gpus N …`; gloo on CPU, nccl on GPU.
+Data movement (shard, rebalance, all_gather, metric reduction, micro-batch plans) lives in
+fastgrpo/dist_plan.py and is re-exported here.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("none", "ddp", "deepspeed")
-REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 @dataclass(frozen=True)
@@ -146,126 +151,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------
-# data movement: prompt shards, rollout rebalancing, metrics
-# ---------------------------------------------------------------------------------------------
-
-def shard(items: Sequence, rank_: Optional[int] = None, world: Optional[int] = None) -> List:
-    """This rank's contiguous share of `items` (e.g. prompts; each prompt's G samples are then
-    generated on one rank by its colocated engine, so group statistics need no communication).
-    Shares differ in size by at most one."""
-    r = rank() if rank_ is None else rank_
-    w = world_size() if world is None else world
-    n = len(items)
-    lo, hi = n * r // w, n * (r + 1) // w
-    return list(items[lo:hi])
-
-
-def rebalance(items: Sequence, lengths: Sequence[int], workload: Any = "tokens") -> List:
-    """Redistribute rollout records so that every rank holds the same number of sequences and a
-    near-equal workload (Karmarkar–Karp over the lengths of all ranks' sequences).
-
-    `items[i]` is any picklable record of sequence i (token ids, advantage, old log-probs …),
-    `lengths[i]` its token count. Each record travels once (one scatter per source rank), so the
-    traffic is the batch itself, not world × batch. Returns this rank's records in a
-    deterministic order (by source rank, then source index). Every rank must call it.
-    """
-    from .packing import balance_partitions
-
-    if len(items) != len(lengths):
-        raise ValueError(f"lengths: expected {len(items)} entries (one per item), got {len(lengths)}")
-    w = world_size()
-    if w == 1:
-        return list(items)
-    per_rank: List[List[int]] = [None] * w  # type: ignore[list-item]
-    dist.all_gather_object(per_rank, [int(x) for x in lengths])
-    flat = [(src, i) for src in range(w) for i in range(len(per_rank[src]))]
-    all_lengths = [per_rank[src][i] for src, i in flat]
-    parts = balance_partitions(all_lengths, w, equal_size=True, workload=workload) if flat else []
-    parts = list(parts) + [[] for _ in range(w - len(parts))]
-    dest_of = {}
-    for d, part in enumerate(parts):
-        for g in part:
-            dest_of[flat[g]] = d
-    me = rank()
-    received: List = []
-    for src in range(w):
-        out: List[Any] = [None]
-        send = None
-        if src == me:
-            send = [[(i, items[i]) for i in range(len(items)) if dest_of[(me, i)] == d] for d in range(w)]
-        dist.scatter_object_list(out, send, src=src)
-        received.extend(item for _, item in sorted(out[0], key=lambda t: t[0]))
-    return received
-
-
-def all_gather(obj: Any) -> List[Any]:
-    """[obj of rank 0, obj of rank 1, …] on every rank (picklable objects; [obj] alone). For
-    small per-step state every rank must agree on, e.g. curriculum updates (prompt ids and
-    pass/fail of every rank's rollouts) so that the shared-seed samplers stay identical."""
-    if world_size() == 1:
-        return [obj]
-    out: List[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _keys_crc(keys: Sequence[str]) -> float:
-    return float(zlib.crc32("\x00".join(keys).encode()) % (1 << 24))  # exact in float64
-
-
-def all_reduce_metrics(metrics: Mapping[str, float], op: str = "mean",
-                       ops: Optional[Mapping[str, str]] = None) -> Dict[str, float]:
-    """Reduce scalar metrics over ranks with one collective per reduction kind.
-
-    `op` is the default ("mean", "sum", "max", "min"); `ops` overrides it per key (e.g.
-    {"completion/max_length": "max"}). Every rank must pass the same keys; a mismatch raises
-    ValueError instead of silently mixing metrics.
-    """
-    for name, o in [("op", op)] + [(f"ops[{k!r}]", v) for k, v in (ops or {}).items()]:
-        if o not in REDUCE_OPS:
-            raise ValueError(f"{name}={o!r}: expected one of {REDUCE_OPS}")
-    out = {k: float(v) for k, v in metrics.items()}
-    if world_size() == 1:
-        return out
-    kinds: Dict[str, List[str]] = {}
-    for k in sorted(out):
-        kinds.setdefault((ops or {}).get(k, op), []).append(k)
-    for kind in REDUCE_OPS:  # fixed order: every rank issues the same collectives
-        keys = kinds.get(kind, [])
-        t = torch.tensor([out[k] for k in keys] + [_keys_crc(keys)], dtype=torch.float64)
-        red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[kind]
-        crc = t[-1].item()
-        check = torch.tensor([crc, -crc], dtype=torch.float64)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        if check[0].item() != crc or -check[1].item() != crc:
-            raise ValueError(f"metrics: ranks passed different keys for op={kind!r} (rank {rank()}: {keys})")
-        dist.all_reduce(t, op=red)
-        vals = t[:-1] / world_size() if kind == "mean" else t[:-1]
-        out.update({k: float(v) for k, v in zip(keys, vals.tolist())})
-    return out
-
-
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
-    """Indices of this rank's sequences per micro-batch, with the SAME number of micro-batches
-    on every rank (the max over ranks of the first-fit-decreasing count). Within a rank the
-    bins are balanced by Karmarkar–Karp when that respects the budget; otherwise the FFD bins
-    are kept and padded with empty micro-batches (run as zero-weighted dummies). A sequence
-    over the budget raises ValueError, or gets its own micro-batch with `allow_oversize`."""
-    from .packing import balance_partitions, pack_sequences
-
-    bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
-    m = len(bins)
-    if world_size() > 1:
-        t = torch.tensor([m], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        m = int(t.item())
-    if m > len(bins) and len(lengths) >= m:
-        kk = [sorted(p) for p in balance_partitions(list(lengths), m)]
-        if len(kk) == m and all(p and sum(lengths[i] for i in p) <= max_tokens for p in kk):
-            return kk
-    return [sorted(b) for b in bins] + [[] for _ in range(m - len(bins))]
+from .dist_plan import (REDUCE_OPS, all_gather, all_reduce_metrics, plan_micro_batches, rebalance,  # noqa: E402,F401
+                        shard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +180,7 @@ def _loss_of(out) -> torch.Tensor:
     return loss
 
 
-def _dummy_loss(model: torch.nn.Module) -> torch.Tensor:
+def zero_weighted_loss(model: torch.nn.Module) -> torch.Tensor:
     # A one-token forward through every parameter, weighted 0: the collectives of this
     # micro-batch still run (peers wait on them), the gradient it adds is exactly 0.
     ids = torch.zeros(1, 1, dtype=torch.long, device=model.get_input_embeddings().weight.device)
@@ -338,6 +225,7 @@ class DistributedBackend:
         self.lr_scheduler = lr_scheduler
         self.optimizer = optimizer
         self._last_grad_norm: Optional[float] = None
+        self.last_step_skipped = False  # whether the last step() skipped a non-finite gradient
         wrapper = _Call(model)
         if backend == "deepspeed":
             import deepspeed
@@ -412,7 +300,7 @@ class DistributedBackend:
             ctx = self.engine.no_sync() if (ddp and not boundary) else contextlib.nullcontext()
             with ctx:
                 if empty:
-                    loss, out = self.forward(lambda m: _dummy_loss(m)), None
+                    loss, out = self.forward(zero_weighted_loss), None
                 else:
                     out = self.forward(loss_fn, mb)
                     loss = _loss_of(out)
@@ -423,21 +311,50 @@ class DistributedBackend:
             outs.append(out)
         return outs
 
+    def local_grads_finite(self) -> bool:
+        """Whether this rank's share of the accumulated gradients is finite; no collective (combine
+        over ranks with a max-reduce). Under ZeRO 1–3 `p.grad` is None after the reduction: the
+        reduced gradient partitions live in the ZeRO optimizer's `averaged_gradients`, and every
+        element sits in exactly one rank's partition, so a NaN anywhere is seen by some rank."""
+        grads: List[torch.Tensor] = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.kind == "deepspeed" and self.zero_stage > 0:
+            for part in (getattr(self.engine.optimizer, "averaged_gradients", None) or {}).values():
+                if isinstance(part, torch.Tensor):
+                    grads.append(part)
+                elif part is not None:
+                    grads.extend(g for g in part if g is not None)
+        return all(bool(torch.isfinite(g).all()) for g in grads)
+
     def step(self) -> float:
         """Gradient clipping, optimizer step, scheduler step, zero grads. Returns the global
-        gradient norm before clipping."""
+        gradient norm before clipping. A non-finite gradient is never applied: the step is
+        skipped instead (gradients discarded, no optimizer or scheduler step), the returned
+        norm is non-finite and `last_step_skipped` is True. Collective."""
+        self.last_step_skipped = False
         if self.kind == "deepspeed":
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
+            bad = torch.tensor([0.0 if self.local_grads_finite() else 1.0])
+            if self.world_size > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item():
+                # bf16 ZeRO without check_grad_overflow would apply it (fp32 ZeRO skips it but
+                # counts a step): skip here, before DeepSpeed sees it
+                self.discard_gradients()
+                norm = float("nan")
+            else:
+                self.engine.step()
+                norm = self.engine.get_global_grad_norm()
+                norm = float(norm) if norm is not None else float("nan")
         else:
             params = [p for p in self.module.parameters() if p.grad is not None]
             clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+            # the norm is computed before scaling; a non-finite one scales nothing worth keeping
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            if math.isfinite(norm):
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.last_step_skipped = not math.isfinite(norm)
         self._last_grad_norm = norm
         return norm
 
@@ -478,6 +395,28 @@ class DistributedBackend:
                 yield self.module
         else:
             yield self.module
+
+    @contextlib.contextmanager
+    def generation_weights(self):
+        """Like `gathered_parameters`, for running the module's own forward outside the engine
+        (the built-in rollout engine samples from it). Under ZeRO-3 the per-module hooks would
+        re-partition every submodule after its forward, mid-generation, so they are removed
+        inside and registered again on exit (TRL's `unwrap_model_for_generation` does the same)."""
+        if not (self.kind == "deepspeed" and self.zero_stage == 3):
+            yield self.module
+            return
+        offload = getattr(self.engine.optimizer, "parameter_offload", self.engine.optimizer)
+        with self.gathered_parameters() as m:
+            for p in offload.module.parameters():
+                p.ds_active_sub_modules.clear()
+            for h in offload.forward_hooks + offload.backward_hooks:
+                h.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield m
+            finally:
+                # re-registering on the root also invalidates the prefetch trace
+                offload._register_deepspeed_module(offload.module)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """CPU copy of the full model state dict (collective under ZeRO-3)."""

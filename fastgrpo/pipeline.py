@@ -18,6 +18,7 @@ import torch
 from . import checkpoint as ckpt
 from .builders import build_model, build_rollout_engine, build_task
 from .config import TrainConfig, dump_config
+from .distributed import launcher_env
 from .evaluation import evaluate
 from .metrics import make_plots, read_metrics, set_nvtx
 
@@ -50,7 +51,7 @@ def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
         model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
         log(f"[fastgrpo] SFT model found in {sft_dir}: skipping the cold start")
         return
-    bar = _progress(cfg.sft.steps, 0, "sft", cfg.logging.progress)
+    bar = _progress(cfg.sft.steps, 0, "sft", cfg.logging.progress and launcher_env().rank == 0)
     t0 = time.perf_counter()
 
     def on_step(step, m):

@@ -15,14 +15,20 @@ K = 1 the ratio is exactly 1 and the stored log-probs would equal the live ones)
 The model and optimizer are reached only through `self.backend` (fastgrpo.distributed's
 `DistributedBackend`: `forward`, `accumulate`, `step`, `module`, `optimizer`, `lr_scheduler`,
 `loss_scale`), so a DeepSpeed / DDP backend plugs in without touching the phases; rank and world
-size come from the backend, which reads them from the launcher. Non-finite loss or gradients skip
+size come from the backend, which reads them from the launcher. With several ranks (verl's
+layout) each rank rolls out its shard of the prompts, the curriculum is updated with every rank's
+results (all-gathered, so the shared-seed samplers stay identical), and the rollout batch is
+rebalanced (Karmarkar–Karp) before packing; under ZeRO-3 the weights are gathered for rollouts,
+weight sync and the reference copy, and checkpoints hold every rank's optimizer partition. Non-finite loss or gradients skip
 the optimizer step (never applied), are reported, and stop the run after
 `max_nan_skips`. A reward function that raises is reported with the prompt id and scored as
 configured (`rewards.on_error`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import random
 import time
 from types import SimpleNamespace
@@ -33,15 +39,19 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .metrics import MetricsLogger, Timers
+from .metrics import MetricsLogger, Timers, rollout_metrics
 from .packing import build_packed_batches
 from .builders import build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task, sampling_config
 
 
-def _zero_loss(model) -> torch.Tensor:
-    """A loss of exactly 0 touching every parameter: a skipped micro-batch still runs backward,
-    so the gradient all-reduce of every rank stays aligned (a rank that skipped would hang)."""
-    return sum(p.reshape(-1)[0] * 0.0 for p in model.parameters() if p.requires_grad)
+def _zero_loss(model, hidden: torch.Tensor) -> torch.Tensor:
+    """A zero-weighted loss on the graph already built (`hidden`, then the output head on one
+    row): a skipped micro-batch still runs backward through every parameter, so every rank's
+    gradient reduction stays aligned. Not `p.reshape(-1)[0] * 0` (under ZeRO-3 a parameter is a
+    0-element partition outside its forward), nor a second forward (ZeRO-3 counts per module
+    the backwards owed to each forward; a dropped graph leaves this rank's count unpaid and its
+    next reduce-scatter hangs). The value may be NaN (0 · NaN): that step is discarded anyway."""
+    return model.get_output_embeddings()(hidden[..., :1, :]).float().sum() * 0.0
 
 
 class TrainingStopped(RuntimeError):
@@ -83,7 +93,7 @@ class Trainer:
         # β = 0: no reference model at all (no memory, no forward)
         self.ref_model = None
         if cfg.algorithm.beta > 0:
-            self.ref_model = copy.deepcopy(self.backend.module).eval().requires_grad_(False)
+            self.ref_model = self._build_reference().eval().requires_grad_(False)
         self.engine = engine if engine is not None else build_rollout_engine(cfg.rollout, self.backend.module, tokenizer)
         self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
         self.loss_cfg = cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
@@ -100,13 +110,37 @@ class Trainer:
                 raise ValueError(f"config rewards.functions: {name!r} is not a reward of task "
                                  f"{getattr(self.task, 'name', type(self.task).__name__)} (it has {sorted(self.reward_fns)})")
 
+    def _build_reference(self):
+        """A frozen copy of the policy's current weights. Under ZeRO-3 the parameters are
+        0-element partitions carrying DeepSpeed's hooks, so a deepcopy would copy neither the
+        values nor a usable module: rebuild from the config and load the gathered weights."""
+        module = self.backend.module
+        if not self._zero3():
+            return copy.deepcopy(module)
+        state = self.backend.full_state_dict()  # collective: every rank gathers
+        ref = type(module)(module.config)
+        ref.load_state_dict(state)
+        dtype = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
+        return ref.to(device=getattr(self.backend, "device", "cpu"), dtype=dtype)
+
+    def _zero3(self) -> bool:
+        return getattr(self.backend, "kind", None) == "deepspeed" and getattr(self.backend, "zero_stage", 0) == 3
+
+    def _full_weights(self):
+        """Context in which `backend.module` holds full weights: ZeRO-3 gathers its partitions
+        (collective; what verl does before generating or syncing), other backends already do."""
+        return self.backend.gathered_parameters() if self._zero3() else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ phases
     def _rollout(self, problems):
         with self.timers.phase("rollout"):
             if self.cfg.rollout.sleep_between_steps:
                 self.engine.wake_up()
-            groups = self.engine.generate([p.prompt for p in problems], n=self.cfg.rollout.group_size,
-                                          sampling=self.sampling)
+            # the built-in engine runs the trainer's module itself, outside the engine's forward
+            gen = getattr(self.backend, "generation_weights", None)
+            with gen() if gen is not None else contextlib.nullcontext():
+                groups = self.engine.generate([p.prompt for p in problems], n=self.cfg.rollout.group_size,
+                                              sampling=self.sampling)
             if self.cfg.rollout.sleep_between_steps:
                 self.engine.sleep()
         return groups
@@ -124,6 +158,7 @@ class Trainer:
 
     def _advantages(self, problems, per_fn, dropped):
         from .advantages import compute_advantages
+        from .distributed import all_gather
 
         cfg = self.cfg
         with self.timers.phase("advantages"):
@@ -138,11 +173,15 @@ class Trainer:
                 keep &= ~zero_std
             keep[list(dropped)] = False
             acc = per_fn.get("accuracy", (total > 0).astype(np.float64))
-            self.curriculum.update([p.id for p in problems for _ in range(G)], acc.reshape(-1).tolist())
+            # every rank scored only its shard: update with all ranks' results (in rank order)
+            # so the shared-seed samplers draw the same prompts on every rank next step
+            mine = ([p.id for p in problems for _ in range(G)], acc.reshape(-1).tolist())
+            every = all_gather(mine)
+            self.curriculum.update([i for r_ids, _ in every for i in r_ids], [a for _, r_acc in every for a in r_acc])
         return total, adv, keep, zero_std
 
     def _pack(self, problems, groups, adv, keep):
-        from .distributed import plan_micro_batches
+        from .distributed import plan_micro_batches, rebalance
 
         with self.timers.phase("pack"):
             prompts, comps, advs, ids, cmask = [], [], [], [], []
@@ -159,6 +198,12 @@ class Trainer:
                     ids.append((p.id, j))
                     cmask.append([float(m) for m in c.sampled_mask])  # forced tokens carry no gradient
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
+            if self.world_size > 1:
+                # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
+                # without it the rank holding the longest groups sets everyone's step time
+                recs = rebalance(list(zip(prompts, comps, advs, ids, cmask)), lengths)
+                prompts, comps, advs, ids, cmask = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [])
+                lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
             batches = []
             for plan in plan_micro_batches(lengths, budget):
@@ -190,7 +235,9 @@ class Trainer:
             for b in batches:
                 if b is None:
                     continue
-                if need_old:
+                if need_old and self._zero3():  # inside the engine's forward ZeRO-3 gathers layer by layer
+                    b.old_logp = self.backend.forward(self._logprobs_of, b)
+                elif need_old:
                     b.old_logp = self._logprobs_of(model, b)
                 if self.ref_model is not None:
                     b.ref_logp = self._logprobs_of(self.ref_model, b)
@@ -209,19 +256,19 @@ class Trainer:
             hidden = packed_forward(model, b)
             if not bool(torch.isfinite(hidden).all()):
                 state.nonfinite = True
-                return _zero_loss(model)
+                return _zero_loss(model, hidden)
             logits = model.get_output_embeddings()(hidden)
             token_mean = self.loss_cfg.loss_agg == "token-mean"
             try:
                 out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
                                 ref_logp=b.ref_logp, cu_seqlens=b.loss_cu_seqlens, config=self.loss_cfg,
                                 num_items=totals["tokens"] if token_mean else None, impl=cfg.algorithm.loss_impl,
-                                return_entropy=True)
+                                return_entropy=True, inplace_backward=True)  # logits are not read again
             except ValueError as e:  # the loss's own finiteness check (non-finite logits rows)
                 if "NaN or Inf" not in str(e):
                     raise
                 state.nonfinite = True
-                return _zero_loss(model)
+                return logits[..., :1, :].float().sum() * 0.0  # on the graph built: see _zero_loss
             # token-mean is normalised by the global token count already; per-sequence means are
             # per micro-batch, so weight each by its share of the global sequences
             scale = self.backend.loss_scale * (1.0 if token_mean else b.num_seqs / totals["seqs"])
@@ -246,6 +293,10 @@ class Trainer:
         return fn
 
     def _grads_finite(self) -> bool:
+        """This rank's share of the gradients is finite (no collective: the caller max-reduces).
+        The backend knows where its gradients live (ZeRO: partitions, `p.grad` is None)."""
+        if hasattr(self.backend, "local_grads_finite"):
+            return self.backend.local_grads_finite()
         for p in self.backend.module.parameters():
             if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                 return False
@@ -270,13 +321,17 @@ class Trainer:
                 st = self._update_state
                 bad = all_reduce_metrics({"bad": float(st.nonfinite or not self._grads_finite())}, op="max")["bad"]
                 if bad:
-                    self.backend.optimizer.zero_grad(set_to_none=True)
+                    self.backend.discard_gradients()  # under ZeRO the reduced grads live in DeepSpeed's buffers
+                else:
+                    logs["train/grad_norm"] = self.backend.step()
+                    # finite gradients whose global norm overflowed: step() refused to apply them
+                    bad = bool(getattr(self.backend, "last_step_skipped", False))
+                if bad:
                     self.nan_skips += 1
                     logs["train/skipped"] = 1.0
                     self.log(f"[fastgrpo] step {self.step_num}: non-finite loss or gradient, update skipped "
                              f"({self.nan_skips}/{self.cfg.max_nan_skips})")
                     break
-                logs["train/grad_norm"] = self.backend.step()
                 n = max(st.tokens, 1.0)
                 logs["train/loss"] = st.loss
                 logs.update({f"loss/{k}": v / n for k, v in st.sums.items()})
@@ -288,10 +343,13 @@ class Trainer:
             if getattr(self.engine, "model", None) is self.backend.module:
                 return  # the built-in engine samples from the trainer's own module: nothing to copy
             if self.step_num % self.cfg.sync.every == 0:
-                self.engine.update_weights(self.backend.module)
+                with self._full_weights():
+                    self.engine.update_weights(self.backend.module)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> Dict[str, float]:
+        from .distributed import all_reduce_metrics
+
         cfg = self.cfg
         t0 = time.perf_counter()
         self.step_num += 1
@@ -299,7 +357,9 @@ class Trainer:
         problems, groups, per_fn, keep, adv, total, zero_std = [], [], None, None, None, None, None
         for _ in range(rounds):
             with self.timers.phase("sample"):
-                want = cfg.rollout.prompts_per_step - (int(keep.sum()) if keep is not None else 0)
+                # kept groups of ALL ranks: every rank must take the same number of rounds
+                kept = 0 if keep is None else all_reduce_metrics({"kept": float(keep.sum())}, op="sum")["kept"]
+                want = cfg.rollout.prompts_per_step - int(kept)
                 new_p = self.curriculum.sample(max(want, 1))
                 if self.world_size > 1:  # every rank draws the same list (same seed): each keeps its shard
                     from .distributed import shard
@@ -313,7 +373,7 @@ class Trainer:
             per_fn = new_fn if per_fn is None else {k: np.concatenate([per_fn[k], new_fn[k]]) for k in per_fn}
             cat = lambda a, b: b if a is None else np.concatenate([a, b])  # noqa: E731
             total, adv, keep, zero_std = cat(total, new_total), cat(adv, new_adv), cat(keep, new_keep), cat(zero_std, new_zero)
-            if keep.sum() >= cfg.rollout.prompts_per_step:
+            if all_reduce_metrics({"kept": float(keep.sum())}, op="sum")["kept"] >= cfg.rollout.prompts_per_step:
                 break
         batches = self._pack(problems, groups, adv, keep)
         self._old_logp(batches)
@@ -322,7 +382,7 @@ class Trainer:
         if self.nan_skips >= cfg.max_nan_skips:
             raise TrainingStopped(f"stopped at step {self.step_num}: {self.nan_skips} updates skipped for non-finite "
                                   f"loss or gradients (max_nan_skips={cfg.max_nan_skips})")
-        logs.update(self._rollout_metrics(per_fn, total, zero_std, groups, problems))
+        logs.update(rollout_metrics(per_fn, total, zero_std, groups))
         logs["train/lr"] = self.backend.optimizer.param_groups[0]["lr"]
         logs["train/nan_skips"] = self.nan_skips
         logs["train/reward_errors"] = self.reward_errors
@@ -341,48 +401,65 @@ class Trainer:
             self.metrics.log(self.step_num, logs)
         return logs
 
-    def _rollout_metrics(self, per_fn, total, zero_std, groups, problems):
-        from .distributed import all_reduce_metrics
-
-        out = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
-        for name, r in per_fn.items():
-            out[f"reward/{name}/mean"] = float(r.mean())
-            out[f"reward/{name}/std"] = float(r.std())
-        lens = [len(c.token_ids) for g in groups for c in g]
-        out["completion/length_mean"] = float(np.mean(lens))
-        out["completion/length_max"] = float(np.max(lens))
-        out["completion/truncation_rate"] = float(np.mean([c.finish_reason == "length" for g in groups for c in g]))
-        out["train/zero_std_frac"] = float(zero_std.mean())
-        if "accuracy" in per_fn:
-            out["train/accuracy"] = float(per_fn["accuracy"].mean())
-        out = all_reduce_metrics(out, op="mean", ops={"completion/length_max": "max"})
-        if "accuracy" in per_fn:
-            G = per_fn["accuracy"].shape[1]
-            # pass-rate histogram: how many prompts had k of G completions correct, k = 0..G
-            k = np.rint(per_fn["accuracy"].mean(axis=1) * G).astype(int)
-            out["train/pass_rate_hist"] = np.bincount(np.clip(k, 0, G), minlength=G + 1).tolist()
-        return out
-
     # ------------------------------------------------------------------ run / state
     def save(self) -> Optional[str]:
+        """Checkpoint (collective). Rank 0 writes the model, curriculum and extras; with several
+        ranks every rank also writes its RNG state (and, under DeepSpeed, its optimizer
+        partition) into rank 0's temp directory before the atomic rename (fastgrpo/checkpoint.py).
+        Returns the path on rank 0."""
+        from .distributed import all_gather, barrier
+
         with self.timers.phase("checkpoint"):
-            model = self.backend.module
-            state = self.backend.full_state_dict() if self.backend.kind == "deepspeed" else None
-            if self.rank != 0:
-                return None
-            return ckpt.save_checkpoint(self.cfg.logging.out_dir, self.step_num, model, self.backend.optimizer,
-                                        self.backend.lr_scheduler, self.curriculum, tokenizer=self.tokenizer,
+            ds = self.backend.kind == "deepspeed"
+            multi = ds or self.world_size > 1
+            state = self.backend.full_state_dict() if ds else None
+
+            def shards(tmp: str) -> None:  # every rank, into rank 0's temp directory
+                barrier()  # rank 0 has created the temp directory
+                if ds:
+                    self.backend.save_checkpoint(os.path.join(tmp, "engine"))
+                torch.save(ckpt.rng_state(), os.path.join(tmp, f"rng-rank{self.rank}.pt"))
+                barrier()  # rank 0 fsyncs and renames only after every rank has written
+
+            tmp = None
+            if multi:
+                tmp = all_gather(ckpt.begin_path(self.cfg.logging.out_dir, self.step_num) if self.rank == 0 else None)[0]
+                if self.rank != 0:
+                    shards(tmp)
+                    barrier()  # rank 0 renamed: the checkpoint is complete for everyone
+                    return None
+            # under DeepSpeed the optimizer / scheduler state is in engine/ (partitioned), not state.pt
+            path = ckpt.save_checkpoint(self.cfg.logging.out_dir, self.step_num, self.backend.module,
+                                        None if ds else self.backend.optimizer,
+                                        None if ds else self.backend.lr_scheduler, self.curriculum,
+                                        tokenizer=self.tokenizer,
                                         extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors},
-                                        keep_last=self.cfg.checkpoint.keep_last, model_state=state)
+                                        keep_last=self.cfg.checkpoint.keep_last, model_state=state,
+                                        shards=shards if multi else None, tmp=tmp)
+            if multi:
+                barrier()
+            return path
 
     def resume(self, path: str) -> int:
-        state = ckpt.load_checkpoint(path, self.backend.module, self.backend.optimizer, self.backend.lr_scheduler,
-                                     self.curriculum)
+        ds = self.backend.kind == "deepspeed"
+        if ds and not os.path.isdir(os.path.join(path, "engine")):
+            raise ValueError(f"checkpoint {path!r}: no engine/ folder (it was not saved under distributed.backend="
+                             "deepspeed); expected a checkpoint written by a DeepSpeed run")
+        # under DeepSpeed the engine restores weights (ZeRO-3: partitions), optimizer and scheduler
+        state = ckpt.load_checkpoint(path, None if ds else self.backend.module,
+                                     None if ds else self.backend.optimizer,
+                                     None if ds else self.backend.lr_scheduler, self.curriculum)
+        if ds:
+            self.backend.load_checkpoint(os.path.join(path, "engine"))
+        mine = os.path.join(path, f"rng-rank{self.rank}.pt")
+        if os.path.exists(mine):  # each rank's own RNG stream (state.pt holds rank 0's)
+            ckpt.set_rng_state(torch.load(mine, map_location="cpu", weights_only=False))
         self.step_num = int(state["step"])
         self.nan_skips = int(state["extra"].get("nan_skips", 0))
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
         if getattr(self.engine, "model", None) is not self.backend.module:
-            self.engine.update_weights(self.backend.module)
+            with self._full_weights():
+                self.engine.update_weights(self.backend.module)
         return self.step_num
 
     def maybe_resume(self) -> Optional[str]:

@@ -6,7 +6,9 @@ z-score advantages), the backend rebalances them across ranks, packs them into t
 number of micro-batches per rank, and trains `--steps` GRPO steps with fastgrpo's loss
 (token-mean over all ranks' tokens). Writes the final flat weights of this rank (and
 the number of micro-batches of its last step) to <out>/<backend>_<stage>_<opt>_rank<r>.pt, or
-the replay's to <out>/reference_<opt>.pt.
+the replay's to <out>/reference_<opt>.pt. `trainer:<stage>:adamw` runs fastgrpo's Trainer
+instead (run_trainer) and records what the test checks: weights before / after, optimizer
+steps, skipped steps, sequences per step, curriculum state, reference weights, resumed weights.
 """
 import argparse
 import os
@@ -90,28 +92,92 @@ def flat_weights(backend: DistributedBackend) -> torch.Tensor:
     return torch.cat([v.flatten().float() for _, v in sorted(backend.full_state_dict().items())])
 
 
-def run_trainer(out_dir: str, stage: int, steps: int):
-    """fastgrpo's Trainer on the arithmetic task with `distributed.backend=deepspeed`. The reward
-    is the completion length (normalised): a random model earns no accuracy, and a reward that
-    varies inside a group is what makes the update non-zero."""
-    from fastgrpo.builders import build_task
-    from fastgrpo.config import load_config
-    from fastgrpo.trainer import Trainer
+TRAINER_STEPS = 3  # step 1 is poisoned (skipped); ZeRO-2 updates at steps 2 and 3, ZeRO-3 at step 3
 
-    cfg = load_config(overrides=[
-        f"steps={steps}", "sft_first=false", "rollout.engine=torch", "rollout.group_size=4",
-        "rollout.prompts_per_step=2", "rollout.max_new_tokens=8", "rewards.functions=[length]",
+
+def trainer_cfg(out_dir: str, stage: int, *extra):
+    from fastgrpo.config import load_config
+
+    return load_config(overrides=[
+        f"steps={TRAINER_STEPS}", "sft_first=false", "rollout.engine=torch", "rollout.group_size=4",
+        # 3 prompts on 2 ranks: shards of 1 and 2 groups (4 and 8 sequences) until rebalanced
+        "rollout.prompts_per_step=3", "rollout.max_new_tokens=8", "rewards.functions=[length]",
         "rewards.weights=[1.0]", "algorithm.max_pass_rate=1.0", "algorithm.drop_zero_std=false", "optimizer.lr=0.01",
         "distributed.backend=deepspeed", f"distributed.zero_stage={stage}", "packing.max_tokens=48",
-        f"logging.out_dir={out_dir}/trainer_run", "logging.tensorboard=false", "logging.plots=false",
-        "logging.progress=false", "checkpoint.at_end=false", "checkpoint.resume=none"])
+        f"logging.out_dir={out_dir}", "logging.tensorboard=false", "logging.plots=false",
+        "logging.progress=false", "checkpoint.at_end=false", "checkpoint.resume=none", *extra])
+
+
+def make_trainer(cfg):
+    """fastgrpo's Trainer on the arithmetic task. The reward is the completion length
+    (normalised): a random model earns no accuracy, and a reward that varies inside a group is
+    what makes the update non-zero. Records the sequences this rank trains on per step."""
+    from fastgrpo.builders import build_task
+    from fastgrpo.trainer import Trainer
+
     task = build_task(cfg.data)
     fns = task.reward_fns()
     fns["length"] = lambda completions, answers=None: [min(len(c), 16) / 16 for c in completions]
     task.reward_fns = lambda: fns
     trainer = Trainer(cfg, task=task, log=lambda *_: None)
+    trainer.seqs_per_step = []
+    pack = trainer._pack
+
+    def counting_pack(*a):
+        batches = pack(*a)
+        trainer.seqs_per_step.append(sum(b.num_seqs for b in batches if b is not None))
+        return batches
+
+    trainer._pack = counting_pack
+    return trainer
+
+
+def poison(trainer, where: str, step: int):
+    """NaN on rank 1 only during the update of trainer step `step`: in a gradient (`grad`: the loss is
+    finite, only the reduced ZeRO gradient partitions show it) or in the hidden states
+    (`hidden`: the trainer's zero-weighted stand-in loss runs, under ZeRO-3 on partitioned
+    parameters)."""
+    model = trainer.backend.module
+    if trainer.rank != 1:
+        return
+    if where == "grad":
+        w = model.model.layers[0].mlp.down_proj.weight
+        w.register_hook(lambda g: g * float("nan") if trainer.step_num == step else g)
+    else:
+        model.model.norm.register_forward_hook(
+            lambda m, a, out: out * float("nan") if m.training and trainer.step_num == step else out)
+
+
+def run_trainer(out_dir: str, stage: int):
+    """ZeRO-2: gradient poison at step 1, a checkpoint every step, then a second Trainer resumed
+    from step 2 runs step 3 (exact resume). ZeRO-3: hidden-state poison at step 1, gradient
+    poison at step 2, β > 0 (reference model), K = 2 (old log-probs through the engine)."""
+    from fastgrpo import checkpoint as ckpt
+
+    run = os.path.join(out_dir, f"trainer{stage}")
+    extra = ["checkpoint.every=1", "checkpoint.keep_last=2"] if stage == 2 else \
+        ["algorithm.beta=0.04", "algorithm.inner_steps=2"]
+    trainer = make_trainer(trainer_cfg(run, stage, *extra))
+    w0 = flat_weights(trainer.backend)
+    if stage == 2:
+        poison(trainer, "grad", step=1)
+    else:  # both kinds: a NaN gradient is found in ZeRO-3's partitions too
+        poison(trainer, "hidden", step=1)
+        poison(trainer, "grad", step=2)
     trainer.train()
-    return trainer.backend
+    rec = {"w0": w0, "w": flat_weights(trainer.backend), "steps": trainer.backend.engine.global_steps,
+           "nan_skips": trainer.nan_skips, "seqs": trainer.seqs_per_step,
+           "curriculum": trainer.curriculum.state_dict()["curriculum"]}
+    if trainer.ref_model is not None:
+        rec["ref"] = torch.cat([v.flatten().float() for _, v in sorted(trainer.ref_model.state_dict().items())])
+    if stage == 2:
+        step2 = [p for p in ckpt.list_checkpoints(run) if p.endswith("step-00000002")]
+        resumed = make_trainer(trainer_cfg(run + "-resumed", stage, f"checkpoint.resume={step2[0]}"))
+        resumed.maybe_resume()
+        resumed.train()
+        rec["w_resumed"] = flat_weights(resumed.backend)
+        rec["resumed_from"] = step2[0]
+    return trainer.backend, rec
 
 
 def main():
@@ -134,9 +200,8 @@ def main():
         return 0
     for kind, stage, opt_name in configs:
         if kind == "trainer":
-            backend = run_trainer(a.out, int(stage), a.steps)
-            torch.save({"w": flat_weights(backend), "steps": backend.engine.global_steps},
-                       os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
+            backend, rec = run_trainer(a.out, int(stage))
+            torch.save(rec, os.path.join(a.out, f"{kind}_{stage}_{opt_name}_rank{backend.rank}.pt"))
             continue
         model, opt = build(opt_name)
         backend = DistributedBackend(model, opt, backend=kind, zero_stage=int(stage), max_grad_norm=1.0)

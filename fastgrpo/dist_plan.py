@@ -1,0 +1,145 @@
+"""Data movement of data-parallel GRPO: prompt shards, rollout rebalancing across ranks
+(Karmarkar–Karp, verl's `seqlen_balancing`), small all-gathers, metric reduction, and
+micro-batch plans with the same count on every rank (ZeRO / DDP reduce inside every backward,
+so a rank that ran fewer micro-batches would hang its peers).
+
+Split out of fastgrpo/distributed.py (which re-exports everything here); every function is a
+no-op pass-through in a single process, so the trainer calls them unconditionally.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------------------------------------
+
+def shard(items: Sequence, rank_: Optional[int] = None, world: Optional[int] = None) -> List:
+    """This rank's contiguous share of `items` (e.g. prompts; each prompt's G samples are then
+    generated on one rank by its colocated engine, so group statistics need no communication).
+    Shares differ in size by at most one."""
+    r = _rank() if rank_ is None else rank_
+    w = _world() if world is None else world
+    n = len(items)
+    lo, hi = n * r // w, n * (r + 1) // w
+    return list(items[lo:hi])
+
+
+def rebalance(items: Sequence, lengths: Sequence[int], workload: Any = "tokens") -> List:
+    """Redistribute rollout records so that every rank holds the same number of sequences and a
+    near-equal workload (Karmarkar–Karp over the lengths of all ranks' sequences).
+
+    `items[i]` is any picklable record of sequence i (token ids, advantage, old log-probs …),
+    `lengths[i]` its token count. Each record travels once (one scatter per source rank), so the
+    traffic is the batch itself, not world × batch. Returns this rank's records in a
+    deterministic order (by source rank, then source index). Every rank must call it.
+    """
+    from .packing import balance_partitions
+
+    if len(items) != len(lengths):
+        raise ValueError(f"lengths: expected {len(items)} entries (one per item), got {len(lengths)}")
+    w = _world()
+    if w == 1:
+        return list(items)
+    per_rank: List[List[int]] = [None] * w  # type: ignore[list-item]
+    dist.all_gather_object(per_rank, [int(x) for x in lengths])
+    flat = [(src, i) for src in range(w) for i in range(len(per_rank[src]))]
+    all_lengths = [per_rank[src][i] for src, i in flat]
+    parts = balance_partitions(all_lengths, w, equal_size=True, workload=workload) if flat else []
+    parts = list(parts) + [[] for _ in range(w - len(parts))]
+    dest_of = {}
+    for d, part in enumerate(parts):
+        for g in part:
+            dest_of[flat[g]] = d
+    me = _rank()
+    received: List = []
+    for src in range(w):
+        out: List[Any] = [None]
+        send = None
+        if src == me:
+            send = [[(i, items[i]) for i in range(len(items)) if dest_of[(me, i)] == d] for d in range(w)]
+        dist.scatter_object_list(out, send, src=src)
+        received.extend(item for _, item in sorted(out[0], key=lambda t: t[0]))
+    return received
+
+
+def all_gather(obj: Any) -> List[Any]:
+    """[obj of rank 0, obj of rank 1, …] on every rank (picklable objects; [obj] alone). For
+    small per-step state every rank must agree on, e.g. curriculum updates (prompt ids and
+    pass/fail of every rank's rollouts) so that the shared-seed samplers stay identical."""
+    if _world() == 1:
+        return [obj]
+    out: List[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _keys_crc(keys: Sequence[str]) -> float:
+    return float(zlib.crc32("\x00".join(keys).encode()) % (1 << 24))  # exact in float64
+
+
+def all_reduce_metrics(metrics: Mapping[str, float], op: str = "mean",
+                       ops: Optional[Mapping[str, str]] = None) -> Dict[str, float]:
+    """Reduce scalar metrics over ranks with one collective per reduction kind.
+
+    `op` is the default ("mean", "sum", "max", "min"); `ops` overrides it per key (e.g.
+    {"completion/max_length": "max"}). Every rank must pass the same keys; a mismatch raises
+    ValueError instead of silently mixing metrics.
+    """
+    for name, o in [("op", op)] + [(f"ops[{k!r}]", v) for k, v in (ops or {}).items()]:
+        if o not in REDUCE_OPS:
+            raise ValueError(f"{name}={o!r}: expected one of {REDUCE_OPS}")
+    out = {k: float(v) for k, v in metrics.items()}
+    if _world() == 1:
+        return out
+    kinds: Dict[str, List[str]] = {}
+    for k in sorted(out):
+        kinds.setdefault((ops or {}).get(k, op), []).append(k)
+    for kind in REDUCE_OPS:  # fixed order: every rank issues the same collectives
+        keys = kinds.get(kind, [])
+        t = torch.tensor([out[k] for k in keys] + [_keys_crc(keys)], dtype=torch.float64)
+        red = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[kind]
+        crc = t[-1].item()
+        check = torch.tensor([crc, -crc], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        if check[0].item() != crc or -check[1].item() != crc:
+            raise ValueError(f"metrics: ranks passed different keys for op={kind!r} (rank {_rank()}: {keys})")
+        dist.all_reduce(t, op=red)
+        vals = t[:-1] / _world() if kind == "mean" else t[:-1]
+        out.update({k: float(v) for k, v in zip(keys, vals.tolist())})
+    return out
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+    """Indices of this rank's sequences per micro-batch, with the SAME number of micro-batches
+    on every rank (the max over ranks of the first-fit-decreasing count). Within a rank the
+    bins are balanced by Karmarkar–Karp when that respects the budget; otherwise the FFD bins
+    are kept and padded with empty micro-batches (run as zero-weighted dummies). A sequence
+    over the budget raises ValueError, or gets its own micro-batch with `allow_oversize`."""
+    from .packing import balance_partitions, pack_sequences
+
+    bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
+    m = len(bins)
+    if _world() > 1:
+        t = torch.tensor([m], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        m = int(t.item())
+    if m > len(bins) and len(lengths) >= m:
+        kk = [sorted(p) for p in balance_partitions(list(lengths), m)]
+        if len(kk) == m and all(p and sum(lengths[i] for i in p) <= max_tokens for p in kk):
+            return kk
+    return [sorted(b) for b in bins] + [[] for _ in range(m - len(bins))]
