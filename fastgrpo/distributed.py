@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import env
+
 BACKENDS = ("none", "ddp", "deepspeed")
 
 
@@ -50,16 +52,8 @@ class DistEnv:
 
 
 def launcher_env() -> DistEnv:
-    """Rank, world size and local rank from the launcher (torchrun / deepspeed set RANK,
-    WORLD_SIZE, LOCAL_RANK; these are the launchers' protocol, not fastgrpo knobs)."""
-    def read(name: str, default: int) -> int:
-        raw = os.environ.get(name, "")
-        try:
-            return int(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"{name}={raw!r}: expected an integer (set by torchrun / deepspeed)") from None
-
-    return DistEnv(read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0))
+    """Rank, world size and local rank from the launcher (torchrun / deepspeed)."""
+    return DistEnv(*env.launcher_ranks())
 
 
 def is_initialized() -> bool:

@@ -52,3 +52,24 @@ def nvtx_enabled() -> bool:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET is Triton's own knob; read here so the rest of the code asks one place."""
     return _flag("TRITON_INTERPRET")
+
+
+def launcher_ranks() -> tuple:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as set by torchrun / deepspeed: the launchers' protocol,
+    not fastgrpo knobs, but read here so every environment read lives in one module."""
+    def read(name: str, default: int) -> int:
+        raw = os.environ.get(name, "")
+        try:
+            return int(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected an integer (set by torchrun / deepspeed)") from None
+
+    return read("RANK", 0), read("WORLD_SIZE", 1), read("LOCAL_RANK", 0)
+
+
+def apply_vllm_defaults() -> None:
+    """vLLM reads its own knobs when it is imported: keep the engine core in this process so
+    collective_rpc reaches the worker directly, and log warnings only (its INFO line per request
+    would drown the trainer's progress bar). A value the user set wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -34,6 +34,7 @@ from typing import List, Optional
 
 import torch
 
+from fastgrpo import env
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 from fastgrpo.sync.bucket import ALIGN, DEFAULT_BUCKET_BYTES
 
@@ -44,16 +45,8 @@ _TRANSPORTS = ("auto", "shm", "cuda_ipc", "reference")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _vllm_env_defaults():
-    """vLLM reads its own knobs at import: keep the engine core in this process so collective_rpc
-    reaches the worker directly, and log warnings only (its INFO lines per request would drown
-    the trainer's progress bar). A value the user set wins."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def vllm_available() -> bool:
-    _vllm_env_defaults()
+    env.apply_vllm_defaults()
     try:
         import vllm  # noqa: F401
     except Exception:
@@ -129,7 +122,7 @@ class VLLMEngine(RolloutEngine):
         self._sender = self._make_sender(bucket_bytes) if transport in ("shm", "cuda_ipc") else None
 
     def _start(self, path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_util, seed, eager, extra):
-        _vllm_env_defaults()
+        env.apply_vllm_defaults()
         from vllm import LLM
 
         kwargs = dict(model=path, tokenizer=path, dtype=_DTYPES[self.dtype], max_model_len=max_model_len,
