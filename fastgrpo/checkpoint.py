@@ -197,10 +197,20 @@ def load_model_state(path: str) -> Dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(st)
+    index = os.path.join(mdir, "model.safetensors.index.json")
+    if os.path.exists(index):  # save_pretrained shards models over its max_shard_size
+        from safetensors.torch import load_file
+
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        state: Dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(load_file(os.path.join(mdir, name)))
+        return state
     pt = os.path.join(mdir, "model.pt")
     if os.path.exists(pt):
         return torch.load(pt, map_location="cpu", weights_only=True)
-    raise ValueError(f"checkpoint {path}: no model/model.safetensors or model/model.pt inside")
+    raise ValueError(f"checkpoint {path}: no model/model.safetensors, model/model.safetensors.index.json or model/model.pt inside")
 
 
 def load_checkpoint(path: str, model=None, optimizer=None, scheduler=None, curriculum=None,

@@ -239,6 +239,27 @@ def packed_forward(model, batch: PackedBatch, attn: str = "auto") -> torch.Tenso
     return h[batch.logit_index.to(h.device)]
 
 
+def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The lm_head applied to `hidden` with the logit post-processing that the model's own forward
+    applies after it, so that a loss computed from `packed_forward` hidden states sees the same
+    distribution as `packed_logits`, the rollout engine and old / reference scoring: Granite's
+    `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's
+    `final_logit_softcapping` (cap·tanh(z/cap))."""
+    hf = _unwrap(model)
+    logits = hf.get_output_embeddings()(hidden)
+    cfg = hf.config
+    div = getattr(cfg, "logits_scaling", None)
+    if div not in (None, 1, 1.0):
+        logits = logits / div
+    mul = getattr(cfg, "logit_scale", None)
+    if mul not in (None, 1, 1.0):
+        logits = logits * mul
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def packed_logits(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
     """Logits `[N, V]` of the completion tokens only: the model's own forward with
     `logits_to_keep=batch.logit_index`, so the lm_head runs on those N rows and nowhere else."""

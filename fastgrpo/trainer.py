@@ -206,7 +206,8 @@ class Trainer:
                 lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
             batches = []
-            for plan in plan_micro_batches(lengths, budget):
+            # a sequence over the budget gets a micro-batch of its own instead of failing the step
+            for plan in plan_micro_batches(lengths, budget, allow_oversize=True):
                 if not plan:
                     batches.append(None)  # this rank has fewer sequences: a zero-weighted dummy keeps collectives aligned
                     continue
@@ -245,7 +246,7 @@ class Trainer:
 
     def _loss_fn(self, totals):
         from .loss import grpo_loss
-        from .models import packed_forward
+        from .models import lm_head_logits, packed_forward
 
         cfg = self.cfg
         state = self._update_state
@@ -257,7 +258,7 @@ class Trainer:
             if not bool(torch.isfinite(hidden).all()):
                 state.nonfinite = True
                 return _zero_loss(model, hidden)
-            logits = model.get_output_embeddings()(hidden)
+            logits = lm_head_logits(model, hidden)  # the same logits as the model's forward (old / ref log-probs)
             token_mean = self.loss_cfg.loss_agg == "token-mean"
             try:
                 out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
@@ -285,9 +286,6 @@ class Trainer:
                     state.extremes[k] = pick(state.extremes.get(k, float(v)), float(v))
                 else:
                     state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
-            if out.entropy is not None:
-                ent = (out.entropy.float() * b.loss_mask).sum()
-                state.sums["entropy_mean"] = state.sums.get("entropy_mean", 0.0) + float(ent)
             return loss
 
         return fn

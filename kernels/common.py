@@ -144,6 +144,13 @@ def seq_ids_from_cu(cu: torch.Tensor, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel()), lengths).to(device)
 
 
+def positive_or_one(x: torch.Tensor) -> torch.Tensor:
+    """Denominator of a masked mean: the mask sum where it is positive, 1 where it is 0 (the
+    numerator is then 0 too, so an empty mean is 0, not NaN). Not clamp(min=1): a fractional
+    mask may sum to less than 1 and must still be divided by its sum."""
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
 def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
                         config: LossConfig, num_items=None) -> torch.Tensor:
     """[N] weight a_t such that loss = Σ_t a_t·ℓ_t for every aggregation (a_t = 0 off-mask).
@@ -161,11 +168,11 @@ def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int
             if not denom > 0:
                 _err("num_items", f"expected a positive token count, got {num_items}")
         else:
-            denom = max(float(m.sum()), 1.0)
+            denom = float(positive_or_one(m.sum()))
         w = m / denom
     elif agg == "seq-mean-token-mean":
         per_seq = torch.zeros(s, dtype=torch.float64, device=m.device).index_add_(0, seq_ids, m)
-        w = m / (per_seq.clamp(min=1.0)[seq_ids] * s)
+        w = m / (positive_or_one(per_seq)[seq_ids] * s)
     elif agg == "seq-mean-token-sum":
         w = m / s
     else:

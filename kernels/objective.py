@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .common import LossConfig, aggregation_weights, seq_ids_from_cu
+from .common import LossConfig, aggregation_weights, positive_or_one, seq_ids_from_cu
 
 
 @dataclass
@@ -104,7 +104,7 @@ def objective_loss(logp: torch.Tensor, entropy: Optional[torch.Tensor], inp: Obj
             0, inp.seq_ids, log_ratio * inp.mask)
         den = torch.zeros(inp.num_seqs, dtype=logp.dtype, device=logp.device).index_add(
             0, inp.seq_ids, inp.mask)
-        log_ratio = (num / den.clamp(min=1.0))[inp.seq_ids]
+        log_ratio = (num / positive_or_one(den))[inp.seq_ids]
     ratio = torch.exp(log_ratio)
     adv = inp.advantages
     capped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
@@ -146,7 +146,7 @@ def objective_metrics(ratio: torch.Tensor, kl: Optional[torch.Tensor], entropy: 
     definitions of `reference.loss_metrics` (clip fractions as TRL counts them). Uses no
     data-dependent indexing, so it does not synchronise a GPU stream."""
     m = inp.mask.detach().double()
-    cnt = m.sum().clamp(min=1.0)
+    cnt = positive_or_one(m.sum())
     r = ratio.detach().double()
     a = inp.advantages.double()
     out = {

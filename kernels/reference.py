@@ -18,6 +18,7 @@ from .common import (
     LossOutput,
     aggregation_weights,
     check_cu_seqlens,
+    positive_or_one,
     seq_ids_from_cu,
 )
 
@@ -56,7 +57,7 @@ def per_token_objective(logp, advantages, old_logp, ref_logp, weights, mask, seq
         m = mask.to(log_ratio.dtype)
         num = torch.zeros(num_seqs, dtype=log_ratio.dtype, device=logp.device).index_add(0, seq_ids, log_ratio * m)
         den = torch.zeros(num_seqs, dtype=log_ratio.dtype, device=logp.device).index_add(0, seq_ids, m)
-        log_ratio = (num / den.clamp(min=1.0))[seq_ids]
+        log_ratio = (num / positive_or_one(den))[seq_ids]
     ratio = torch.exp(log_ratio)
     adv = advantages.to(ratio.dtype)
     capped = ratio if config.delta is None else torch.clamp(ratio, max=config.delta)
@@ -83,7 +84,7 @@ def loss_metrics(ratio, adv, kl, entropy, mask, config: LossConfig):
     """Masked means over completion tokens. Clip fractions follow TRL: low = r < 1−ε_low with
     A < 0, high = r > 1+ε_high with A > 0 (the tokens whose gradient the clip removed)."""
     m = mask.to(torch.float64)
-    cnt = m.sum().clamp(min=1.0)
+    cnt = positive_or_one(m.sum())
     r = ratio.detach().to(torch.float64)
     a = adv.detach().to(torch.float64)
     out = {

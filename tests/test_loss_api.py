@@ -190,3 +190,25 @@ def test_triton_dispatch_uses_the_shared_backend_signature(monkeypatch):
     with pytest.raises(RuntimeError, match="Triton backend fastgrpo.kernels.no_such_module.f is not available"):
         _call(inp, impl="triton")
     assert torch.equal(_call(inp, impl="auto").loss, _call(inp, impl="torch").loss)
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_fractional_mask_summing_below_one_is_a_true_weighted_mean(impl, level, agg):
+    """Masked means divide by the mask sum, not by max(sum, 1): one token weighted 0.5 has the
+    same mean ratio, metrics and loss as the token weighted 1 (an empty mean stays 0)."""
+    import math
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, dtype=torch.float64)
+    y = torch.tensor([2])
+    old = (torch.log_softmax(x, -1)[0, 2] - math.log(5.815)).reshape(1)
+    a = torch.ones(1, dtype=torch.float64)
+    cfg = LossConfig(eps_high=10.0, ratio_level=level, loss_agg=agg)
+    outs = [grpo_loss(x, y, a, mask=torch.tensor([m], dtype=torch.float64), old_logp=old, config=cfg, impl=impl)
+            for m in (1.0, 0.5)]
+    assert abs(float(outs[0].metrics["ratio_mean"]) - 5.815) < 1e-3
+    for key in ("ratio_mean", "ratio_max"):
+        assert abs(float(outs[1].metrics[key]) - float(outs[0].metrics[key])) < 1e-4, key
+    assert abs(float(outs[1].loss) - float(outs[0].loss)) < 1e-9

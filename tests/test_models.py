@@ -252,3 +252,31 @@ def test_through_ddp_wrapper(tmp_path):
         assert torch.allclose(packed_forward(ddp, b), packed_forward(model, b), atol=TOL)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["granite", "gemma2", "qwen2"])
+def test_lm_head_logits_match_the_models_own_forward(arch):
+    """The loss (hidden states → lm_head_logits) and old / reference scoring (packed_logits, the
+    model's own forward) must see the same logits, also for models that post-process them
+    (Granite logits_scaling, Gemma 2 final soft-capping); else the ratio is not 1 on-policy."""
+    import transformers
+
+    from fastgrpo.models import lm_head_logits, packed_forward, packed_logits
+    from fastgrpo.packing import build_packed_batches
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, intermediate_size=64, max_position_embeddings=128)
+    if arch == "granite":
+        cfg = transformers.GraniteConfig(logits_scaling=8.0, **common)
+    elif arch == "gemma2":
+        cfg = transformers.Gemma2Config(final_logit_softcapping=0.5, head_dim=16, **common)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    b = build_packed_batches([[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]], [1.0, -1.0], token_budget=64)[0]
+    attn = "mask" if arch == "gemma2" else "auto"  # Gemma 2 has sliding-window layers
+    with torch.no_grad():
+        ours = lm_head_logits(model, packed_forward(model, b, attn=attn))
+        theirs = packed_logits(model, b, attn=attn)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -89,3 +89,23 @@ def test_resume_continues_exactly(cfg_factory, tmp_path):
     assert any(not torch.equal(w0[k], wa[k]) for k in wa), "training never changed the weights: test is vacuous"
     for k in wa:
         assert torch.equal(wa[k], wc[k]), f"{k} differs between the uninterrupted and the resumed run"
+
+
+def test_resume_from_a_checkpoint_with_sharded_weights(tmp_path):
+    """save_pretrained shards a model over its max_shard_size (any 30B+ model): loading must
+    merge the shards listed in model.safetensors.index.json."""
+    import functools
+
+    from fastgrpo import checkpoint as ckpt_mod
+    from fastgrpo.demo.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("llama", seed=0)
+    model.save_pretrained = functools.partial(type(model).save_pretrained, model, max_shard_size="20KB")
+    path = ckpt_mod.save_checkpoint(str(tmp_path), 3, model)
+    files = os.listdir(os.path.join(path, "model"))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    fresh, _ = build_tiny_model("llama", seed=1)
+    ckpt_mod.load_checkpoint(path, model=fresh, restore_rng=False)
+    want = model.state_dict()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
