@@ -2,6 +2,10 @@
 the O(N) pieces (sequence ids, aggregation weights) that all backends (oracle, CPU streaming
 path, Triton) agree on. No O(N·V) math lives here.
 
+It also holds the one autograd boundary of every fast backend, `TokenLogprobsFunction`: a
+backend supplies its O(N·V) passes (`LogprobsBackend`: streaming statistics forward, gradient
+backward) and the Function, the no-grad shortcut and the in-place rules are shared.
+
 The contract is the one of shared/DESIGN.md ("The loss contract"); field names follow the
 public API of the foundation issue.
 """
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
@@ -178,3 +182,59 @@ def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int
     else:
         w = m / (s * float(config.max_len))
     return w
+
+
+class LogprobsBackend(NamedTuple):
+    """The two O(N·V) passes of a backend (CPU streaming torch, or Triton)."""
+
+    # (logits, targets, temperature, need_entropy) -> (logp [N], lse [N], entropy [N] | None)
+    stats: Callable
+    # (logits, targets, lse, g, h | None, entropy | None, temperature, out | None) -> ∂loss/∂logits,
+    # written into `out` when given (out may be `logits` itself: the in-place gradient)
+    grad: Callable
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """(logits [N, V], targets [N]) → (logp [N], entropy [N] or empty).
+
+    The autograd boundary sits at the log-probs: the O(N) objective on top (objective.py) is
+    ordinary differentiable torch, whose backward delivers g_t = ∂loss/∂logp_t and
+    h_t = ∂loss/∂H_t, from which the backend's gradient pass writes
+    ∂loss/∂z = (g·(onehot − p) − h·p·(log p + H))/τ in one read of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, need_entropy, inplace, backend):
+        logp, lse, ent = backend.stats(logits, targets, temperature, need_entropy)
+        ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse.new_empty(0))
+        ctx.temperature, ctx.need_entropy, ctx.inplace, ctx.backend = temperature, need_entropy, inplace, backend
+        if ent is None:
+            ent = lse.new_empty(0)
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        h = g_ent if (ctx.need_entropy and g_ent is not None) else None
+        grad = ctx.backend.grad(logits, targets, lse, g_logp, h, ent if h is not None else None, ctx.temperature,
+                                logits if ctx.inplace else None)
+        return grad, None, None, None, None, None
+
+
+def differentiable_logprobs(backend: LogprobsBackend, logits: torch.Tensor, targets: torch.Tensor,
+                            temperature: float, return_entropy: bool, inplace_backward: bool):
+    """(logp, entropy | None) through `backend`, differentiable when the logits need a gradient.
+
+    A leaf (a user's tensor or a parameter) is never overwritten in place: its values would be
+    lost and its .grad would alias them. In place is for activations (the lm_head output)."""
+    if not (logits.requires_grad and torch.is_grad_enabled()):
+        with torch.no_grad():
+            logp, _, ent = backend.stats(logits, targets, temperature, return_entropy)
+        return logp, ent
+    inplace = bool(inplace_backward) and not logits.is_leaf
+    logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy), inplace,
+                                            backend)
+    return logp, (ent if return_entropy else None)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LossConfig, LossOutput, check_cu_seqlens
+from .common import LogprobsBackend, LossConfig, LossOutput, check_cu_seqlens, differentiable_logprobs
 from .logprobs import token_logprobs_fwd
 from .torch_loss import loss_from_logprobs
 from ._triton_common import autotuned, grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
@@ -106,49 +106,15 @@ def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     return out
 
 
-class TokenLogprobsFunction(torch.autograd.Function):
-    """(logits [N, V], targets [N]) → (logp [N], entropy [N] or empty), Triton both ways.
-
-    The autograd boundary sits at the log-probs, as in the CPU path (`torch_loss.py`): the O(N)
-    objective on top is ordinary differentiable torch (`objective.py`), whose backward delivers
-    g_t = ∂loss/∂logp_t and h_t = ∂loss/∂H_t (already times the upstream gradient) to ours."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, need_entropy, inplace_backward):
-        logits = row_major_logits(logits)
-        logp, lse, ent = token_logprobs_fwd(logits, targets, temperature, need_entropy)
-        ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse.new_empty(0))
-        ctx.temperature, ctx.need_entropy, ctx.inplace = temperature, need_entropy, inplace_backward
-        if ent is None:
-            ent = lse.new_empty(0)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):
-        logits, targets, lse, ent = ctx.saved_tensors
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        has_h = ctx.need_entropy and g_ent is not None
-        grad = grpo_loss_bwd(logits, targets, lse, g_logp, g_ent if has_h else None,
-                             ent if has_h else None, ctx.temperature,
-                             out=logits if ctx.inplace else None)
-        return grad, None, None, None, None
+TRITON_BACKEND = LogprobsBackend(stats=token_logprobs_fwd, grad=grpo_loss_bwd)
 
 
 def token_logprobs_triton_grad(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                                return_entropy: bool = False, inplace_backward: bool = False):
     """Differentiable (logp, entropy | None), [N] fp32 (fp64 for fp64 logits)."""
-    if not (logits.requires_grad and torch.is_grad_enabled()):
-        with torch.no_grad():
-            logp, _, ent = token_logprobs_fwd(logits, targets, temperature, return_entropy)
-        return logp, ent
-    # A leaf's data is a parameter's or a user's tensor: overwriting it with its own gradient would
-    # also alias .grad with the values, so only activations (non-leaves) are reused in place.
-    inplace = bool(inplace_backward) and not logits.is_leaf
-    logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy), inplace)
-    return logp, (ent if return_entropy else None)
+    # the backward kernel needs a unit column stride: a strided view is copied once, on the graph
+    return differentiable_logprobs(TRITON_BACKEND, row_major_logits(logits), targets, temperature,
+                                   return_entropy, inplace_backward)
 
 
 def grpo_loss_triton(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, *,

@@ -41,7 +41,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, need_entropy, chunk_size):
-        n, v = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         cdt = compute_dtype(hidden.dtype)
         logp = torch.empty(n, dtype=cdt, device=hidden.device)
         lse = torch.empty(n, dtype=cdt, device=hidden.device)

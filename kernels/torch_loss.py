@@ -10,7 +10,7 @@ into the gradient buffer, or into the logits buffer itself when `inplace_backwar
 
 Extra memory: O(N) statistics plus two R×C buffers (R·C ≤ `_TILE_ELEMS`); never an N×V float32
 copy of the logits. In this two-pass mode the autograd boundary is the log-prob op
-(`TokenLogprobsFunction`): the O(N) objective on top of it (`objective.py`) is ordinary
+(`common.TokenLogprobsFunction` over `torch_backend()`): the O(N) objective on top of it (`objective.py`) is ordinary
 differentiable torch, which serves sequence-level (GSPO) ratios and `token_logprobs`.
 
 Single-pass mode (`SinglePassGRPOLossFunction`, the default for token-level ratios when a gradient
@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .common import LossConfig, LossOutput
+from .common import LossConfig, LogprobsBackend, LossOutput, differentiable_logprobs
 from .objective import (ObjectiveInputs, objective_coefficients, objective_loss, objective_metrics,
                         prepare_objective, slice_objective)
 
@@ -158,43 +158,25 @@ def logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
     return out
 
 
-class TokenLogprobsFunction(torch.autograd.Function):
-    """(logits [N, V], targets [N]) → (logp [N], entropy [N] or empty) with the streaming backward."""
+def torch_backend(vocab_chunk: Optional[int] = None) -> LogprobsBackend:
+    """The CPU streaming passes as a `LogprobsBackend` (common.TokenLogprobsFunction)."""
 
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, need_entropy, inplace_backward, vocab_chunk):
-        logp, lse, ent = logprob_stats(logits, targets, temperature, need_entropy, vocab_chunk)
-        ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse.new_empty(0))
-        ctx.temperature, ctx.need_entropy = temperature, need_entropy
-        ctx.inplace, ctx.vocab_chunk = inplace_backward, vocab_chunk
-        if ent is None:
-            ent = lse.new_empty(0)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+    def stats(logits, targets, temperature, need_entropy):
+        return logprob_stats(logits, targets, temperature, need_entropy, vocab_chunk)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):
-        logits, targets, lse, ent = ctx.saved_tensors
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        h = g_ent if (ctx.need_entropy and g_ent is not None) else None
-        out = logits if ctx.inplace else torch.empty_like(logits)
-        logits_grad(logits, targets, lse, g_logp, h, ent if h is not None else None, ctx.temperature,
-                    out, ctx.vocab_chunk)
-        return out, None, None, None, None, None
+    def grad(logits, targets, lse, g, h, entropy, temperature, out):
+        out = torch.empty_like(logits) if out is None else out
+        return logits_grad(logits, targets, lse, g, h, entropy, temperature, out, vocab_chunk)
+
+    return LogprobsBackend(stats, grad)
 
 
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          return_entropy: bool = False, inplace_backward: bool = False,
                          vocab_chunk: Optional[int] = None):
     """Differentiable (logp, entropy | None), both [N] in float32 (float64 for float64 logits)."""
-    if not (logits.requires_grad and torch.is_grad_enabled()):
-        logp, _, ent = logprob_stats(logits, targets, temperature, return_entropy, vocab_chunk)
-        return logp, ent
-    logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy),
-                                            bool(inplace_backward), vocab_chunk)
-    return logp, (ent if return_entropy else None)
+    return differentiable_logprobs(torch_backend(vocab_chunk), logits, targets, temperature, return_entropy,
+                                   inplace_backward)
 
 
 def loss_from_logprobs(logp, entropy, n, device, advantages, *, mask, old_logp, ref_logp, weights,
@@ -222,7 +204,7 @@ def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: 
     block's log-probs and entropies, its objective coefficients g, h (exact per block because a
     token-level objective is separable and the aggregation weights are global), then
     ∂loss/∂z = −(g·(e/s − onehot) + h·(e/s)·(log p + H))/τ from the same e. The two-pass
-    forward/backward (`TokenLogprobsFunction`) computes the exp twice; on CPU the exp is the
+    forward/backward (`common.TokenLogprobsFunction`) computes the exp twice; on CPU the exp is the
     bottleneck (≈ 10× a copy per element)."""
     n, v = logits.shape
     cdt = compute_dtype(logits.dtype)
@@ -316,9 +298,6 @@ def grpo_loss_torch(logits: torch.Tensor, targets: torch.Tensor, advantages: tor
     config = config or LossConfig()
     need_ent = return_entropy or config.entropy_coef != 0.0
     wants_grad = logits.requires_grad and torch.is_grad_enabled()
-    # A leaf (a user's own tensor or parameter) is never overwritten: its values would be lost and
-    # its .grad would alias them. In place is for activations (the lm_head output).
-    inplace_backward = bool(inplace_backward) and not logits.is_leaf
     if single_pass is None:
         single_pass = wants_grad and config.ratio_level == "token"
     if single_pass and wants_grad:
@@ -329,8 +308,10 @@ def grpo_loss_torch(logits: torch.Tensor, targets: torch.Tensor, advantages: tor
         cdt = compute_dtype(logits.dtype)
         inp = prepare_objective(n, logits.device, cdt, advantages, mask, old_logp, ref_logp, weights, cu_seqlens,
                                 config, num_items)
+        # a leaf is never overwritten, as in common.differentiable_logprobs
+        inplace = bool(inplace_backward) and not logits.is_leaf
         loss, logp, ent, ratio, kl = SinglePassGRPOLossFunction.apply(logits, targets, inp, config, need_ent,
-                                                                      bool(inplace_backward))
+                                                                      inplace)
         ent = ent if need_ent else None
         kl = kl if config.beta != 0.0 else None
         return LossOutput(loss=loss, logp=logp, entropy=ent, metrics=objective_metrics(ratio, kl, ent, inp, config))
