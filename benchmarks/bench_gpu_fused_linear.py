@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gpu_common import (  # noqa: E402
-    bench_ms, bootstrap, oracle_check, parse_sizes, peak_mb, try_import)
+    bench_ms, bootstrap, oracle_check, parse_sizes, peak_mb, sequence_layout, try_import)
 
 SEQ_LEN = 1024  # Liger takes [B, T, H] hidden states: N tokens as B = N / T sequences
 
@@ -31,19 +31,13 @@ def make_inputs(n, h, v, dtype, device, seed=0):
     hidden = torch.randn(n, h, generator=g, device=device, dtype=dtype)
     weight = torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(2 / h ** 0.5)
     targets = torch.randint(0, v, (n,), generator=g, device=device)
-    t = min(SEQ_LEN, n)
-    b = n // t
-    adv_seq = torch.randn(b, generator=g, device=device)
-    adv = torch.cat([adv_seq.repeat_interleave(t), adv_seq[-1:].expand(n - b * t)])
-    mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
+    lay = sequence_layout(n, g, device, SEQ_LEN)
     with torch.no_grad():  # old / ref near the current policy, chunked so no [N, V] is kept
         logp = torch.cat([torch.log_softmax((hidden[i:i + 2048] @ weight.t()).float(), -1)
                           .gather(1, targets[i:i + 2048, None]).squeeze(1) for i in range(0, n, 2048)])
     old = logp + 0.1 * torch.randn(n, generator=g, device=device)
     ref = logp + 0.1 * torch.randn(n, generator=g, device=device)
-    cu = torch.cat([torch.arange(0, n, t), torch.tensor([n])])
-    return dict(hidden=hidden, weight=weight, targets=targets, adv=adv, adv_seq=adv_seq, mask=mask, old=old,
-                ref=ref, cu=cu, b=b, t=t)
+    return dict(hidden=hidden, weight=weight, targets=targets, old=old, ref=ref, **lay)
 
 
 def config(level="token"):

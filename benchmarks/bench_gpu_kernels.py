@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gpu_common import (  # noqa: E402
-    bench_ms, bootstrap, copy_bandwidth_gbs, oracle_check, parse_sizes, peak_mb, try_import)
+    bench_ms, bootstrap, copy_bandwidth_gbs, oracle_check, parse_sizes, peak_mb, sequence_layout, try_import)
 
 SEQ_LEN = 1024  # Liger takes [B, L+1, V] logits: N tokens as B = N / L sequences of L
 
@@ -34,18 +34,12 @@ def make_inputs(n, v, dtype, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(n, v, generator=g, dtype=dtype, device=device).mul_(2)
     targets = torch.randint(0, v, (n,), generator=g, device=device)
-    seq_len = min(SEQ_LEN, n)
-    b = n // seq_len
-    adv_seq = torch.randn(b, generator=g, device=device)
-    adv = torch.cat([adv_seq.repeat_interleave(seq_len), adv_seq[-1:].expand(n - b * seq_len)])
-    mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
+    lay = sequence_layout(n, g, device, SEQ_LEN)
     # old / ref policies near the current one, as in training (far-off values make k3 explode).
     true_logp = _logp_rows(logits, targets)
     old = true_logp + 0.1 * torch.randn(n, generator=g, device=device)
     ref = true_logp + 0.1 * torch.randn(n, generator=g, device=device)
-    cu = torch.cat([torch.arange(0, n, seq_len), torch.tensor([n])])
-    return dict(logits=logits, targets=targets, adv=adv, adv_seq=adv_seq, mask=mask, old=old, ref=ref,
-                cu=cu, b=b, seq_len=seq_len)
+    return dict(logits=logits, targets=targets, old=old, ref=ref, **lay)
 
 
 def _logp_rows(logits, targets, rows=4096):
@@ -93,7 +87,7 @@ def liger_inputs(inp):
     """Liger's layout: logits [B, L+1, V] (the last position is dropped), per-sequence advantages."""
     import torch
 
-    b, l = inp["b"], inp["seq_len"]
+    b, l = inp["b"], inp["t"]
     n, v = inp["logits"].shape
     x = torch.empty(b, l + 1, v, dtype=inp["logits"].dtype, device=inp["logits"].device)
     x[:, :l] = inp["logits"][: b * l].view(b, l, v)

@@ -124,3 +124,19 @@ def parse_sizes(text: str):
         mult = 1024 if part.endswith("k") else 1
         out.append(int(float(part.rstrip("k")) * mult))
     return out
+
+
+def sequence_layout(n: int, g, device, seq_len: int) -> dict:
+    """The packed-batch layout shared by the GPU benches: N tokens as b = N // t sequences of
+    t = min(seq_len, N) (the remainder joins the last one's advantage), one advantage per
+    sequence broadcast to its tokens, ~90 % of tokens on the loss mask, and cu_seqlens.
+    Drawn from generator `g` on `device` in a fixed order (adv_seq, then mask)."""
+    import torch
+
+    t = min(seq_len, n)
+    b = n // t
+    adv_seq = torch.randn(b, generator=g, device=device)
+    adv = torch.cat([adv_seq.repeat_interleave(t), adv_seq[-1:].expand(n - b * t)])
+    mask = (torch.rand(n, generator=g, device=device) > 0.1).float()
+    cu = torch.cat([torch.arange(0, n, t), torch.tensor([n])])
+    return dict(adv=adv, adv_seq=adv_seq, mask=mask, cu=cu, b=b, t=t)
