@@ -106,14 +106,15 @@ def _validate(n, device, advantages, mask, old_logp, ref_logp, weights, cu_seqle
                              f"got {num_items!r}")
     if env.check_finite() and n > 0:
         on = torch.ones(n, dtype=torch.bool, device=device) if mask is None else mask != 0
-        for name, x in (("advantages", advantages), ("old_logp", old_logp),
-                        ("ref_logp", ref_logp if config.beta > 0 else None), ("weights", weights)):
-            if x is not None:
-                bad = on & ~torch.isfinite(x)
-                if bool(bad.any()):
-                    i = int(bad.nonzero()[0])
-                    raise ValueError(f"{name}: non-finite value {float(x[i])} at masked-in token {i} "
-                                     "(only positions with mask 0 may hold NaN/Inf)")
+        checks = [(name, x) for name, x in (("advantages", advantages), ("old_logp", old_logp),
+                                            ("ref_logp", ref_logp if config.beta > 0 else None),
+                                            ("weights", weights)) if x is not None]
+        bad = torch.stack([(on & ~torch.isfinite(x)).any() for _, x in checks])
+        if bool(bad.any()):  # one host sync for all vectors; the culprit is located only on failure
+            name, x = checks[int(bad.nonzero()[0])]
+            i = int((on & ~torch.isfinite(x)).nonzero()[0])
+            raise ValueError(f"{name}: non-finite value {float(x[i])} at masked-in token {i} "
+                             "(only positions with mask 0 may hold NaN/Inf)")
     return cu
 
 

@@ -105,7 +105,7 @@ def check_logits_targets(logits: torch.Tensor, targets: torch.Tensor, name: str 
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         _err("targets", f"expected an integer dtype (int64 or int32), got {targets.dtype}")
     if n > 0:
-        lo, hi = int(targets.min()), int(targets.max())
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one reduction, one host sync
         if lo < 0 or hi >= v:
             bad = lo if lo < 0 else hi
             _err("targets", f"values must lie in [0, V={v}), found {bad}")
