@@ -108,6 +108,37 @@ def _plan_for(cu: torch.Tensor, device, width: int) -> _VarlenPlan:
     return plan
 
 
+# Buckets up to this length take `_short_causal_attention` on CPU instead of SDPA's flash
+# kernel. Measured forward + backward on one thread ([n, Hq, L, D] with about 2k tokens, GQA
+# 2:1): L = 38 1.54 vs 2.00 ms (D 32) and 12.0 vs 14.9 ms (8 heads, D 64); L = 128 ties; L =
+# 512 SDPA wins (11.6 vs 13.3 ms), as its tiles skip the masked half.
+_MATH_MAX_LEN = 64
+_CAUSAL_BIAS: dict = {}
+
+
+def _short_causal_attention(q, k, v, scaling):
+    """Causal attention as baddbmm (scale + causal bias + QK^T) → softmax → bmm, for short
+    sequences. q [n, Hq, L, D], k / v [n, Hkv, L, D] (any strides) → [n, Hq, L, D]. The query heads
+    sharing a KV head are the rows of one matrix, so GQA repeats nothing."""
+    n, hq, L, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    key = (L, g, q.dtype, q.device)
+    bias = _CAUSAL_BIAS.get(key)
+    if bias is None:
+        bias = torch.full((L, L), float("-inf"), dtype=q.dtype, device=q.device).triu_(1).repeat(g, 1)
+        _CAUSAL_BIAS[key] = bias
+    scale = scaling if scaling is not None else d ** -0.5
+    qq = q.reshape(n * hk, g * L, d)
+    kk, vv = k.reshape(n * hk, L, d), v.reshape(n * hk, L, d)
+    att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale)
+    if att.dtype != torch.float32:  # SDPA's CPU kernels accumulate the softmax in float32 as well
+        att = att.softmax(-1, dtype=torch.float32).to(vv.dtype)
+    else:
+        att = att.softmax(-1)
+    return torch.bmm(att, vv).view(n, hq, L, d)
+
+
 def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                            sliding_window=None, **kwargs):
     """Causal SDPA per packed sequence when `cu_seq_lens_q` is given (sequences of similar
@@ -138,8 +169,11 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
         def pad(x):  # [T, H, D] → [n, H, L, D] (strided: SDPA's CPU kernel takes any strides)
             return x.index_select(0, idx).view(n, L, x.shape[1], d).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), dropout_p=p, is_causal=True,
-                                           scale=scaling, enable_gqa=gqa)
+        if L <= _MATH_MAX_LEN and p == 0.0 and query.device.type == "cpu":
+            o = _short_causal_attention(pad(q), pad(k), pad(v), scaling)
+        else:
+            o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), dropout_p=p, is_causal=True,
+                                               scale=scaling, enable_gqa=gqa)
         outs.append(o.transpose(1, 2).reshape(n * L, hq, d))
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
     return flat.index_select(0, plan.unpad)[None], None

@@ -135,14 +135,18 @@ def test_random_packing_matches_padded():
             assert (packed_logprobs(model, b) - ref).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("math_max", [None, 0, 10 ** 6])
 @pytest.mark.parametrize("call_cost", [0, 10 ** 12, None])
-def test_bucketed_varlen_matches_padded(monkeypatch, call_cost):
+def test_bucketed_varlen_matches_padded(monkeypatch, call_cost, math_max):
     """Sequences gathered into right-padded SDPA buckets (one bucket per length, everything in
-    one bucket, the default cost model) give the padded batch's log-probs and gradients."""
+    one bucket, the default cost model) give the padded batch's log-probs and gradients — with
+    short buckets on the baddbmm/softmax path (default: L <= 64), all on SDPA, all on baddbmm."""
     import fastgrpo.models as models
 
     if call_cost is not None:
         monkeypatch.setattr(models, "_CALL_COST", call_cost)
+    if math_max is not None:
+        monkeypatch.setattr(models, "_MATH_MAX_LEN", math_max)
     model = _model("qwen2").train()
     rng = random.Random(3)
     g = torch.Generator().manual_seed(3)

@@ -32,13 +32,24 @@ from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 # Decode steps below this many FLOPs (2 · parameters · batch) run on one thread (see _threads).
 _SMALL_STEP_FLOP = 1e9
+
+
+def _compact_at(rows: int) -> int:
+    """Finished rows that trigger a compaction of a batch of `rows`: a quarter of it (at least
+    one). A compaction copies the whole KV cache: ~150 µs at batch 64 on the demo model (one
+    thread), while a finished row riding along costs ~2.8 µs a decode step (310 vs 219 µs for 64
+    vs 32 rows). So finished rows stay until they are a quarter of the batch: at most a third
+    extra rows per step, and one compaction per quarter instead of one per finishing step."""
+    return max(1, rows // 4)
+
+
 _DECODERS = ("auto", "hf")
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """float32 logits / temperature, with top-k / top-p truncated entries set to -inf (vLLM's
     `apply_top_k_top_p` semantics: top-p keeps the smallest set of mass >= p, at least 1)."""
-    z = logits.float() / temperature
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     vocab = z.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
@@ -172,28 +183,34 @@ class TorchEngine(RolloutEngine):
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        rows = torch.arange(B, device=device)          # original row of each live batch row
+        rows = torch.arange(B, device=device)          # original row of each batch row
+        alive = torch.ones(B, dtype=torch.bool, device=device)
+        n_alive = B
         for t in range(max_new_tokens):
             nxt, lp = pick(logits, sampling.temperature, sampling.top_k, sampling.top_p,
                            None if noise is None else noise.at(t), process_logits)
-            out_tok[rows, t] = nxt
+            out_tok[rows, t] = nxt      # finished rows still in the batch write past their length
             out_lp[rows, t] = lp
-            done = torch.isin(nxt, stop_t)
+            done = torch.isin(nxt, stop_t) & alive
             if sampling.stop:
+                live = alive.tolist()
                 for i, r in enumerate(rows.tolist()):
-                    if not done[i] and any(s in self._decode(out_tok[r, :t + 1].tolist()) for s in sampling.stop):
+                    if live[i] and not done[i] and any(s in self._decode(out_tok[r, :t + 1].tolist())
+                                                       for s in sampling.stop):
                         done[i] = True
-            any_done = bool(done.any())
-            if any_done:
+            n_done = int(done.sum())
+            if n_done:
                 fin = rows[done]
                 length[fin] = t + 1
                 stopped[fin] = True
-            if t + 1 == max_new_tokens or (any_done and bool(done.all())):
+                alive &= ~done
+                n_alive -= n_done
+            if t + 1 == max_new_tokens or n_alive == 0:
                 break
-            if any_done:
-                keep = (~done).nonzero()[:, 0]
+            if len(rows) - n_alive >= _compact_at(len(rows)):
+                keep = alive.nonzero()[:, 0]
                 # compaction: finished rows leave the batch, so the long tail computes live rows only
-                rows, nxt, next_pos = rows[keep], nxt[keep], next_pos[keep]
+                rows, nxt, next_pos, alive = rows[keep], nxt[keep], next_pos[keep], alive[keep]
                 stepper.select(keep)
                 if noise is not None:
                     noise.select(keep, keep.tolist())

@@ -43,3 +43,29 @@ def test_nan_gradient_is_skipped_not_applied():
     assert math.isfinite(norm) and not backend.last_step_skipped
     assert any(not torch.equal(v, before[k]) for k, v in backend.module.state_dict().items())
     assert backend.optimizer.param_groups[0]["lr"] < lr
+
+
+def test_local_grads_finite_per_dtype():
+    """The finiteness check reads one norm per gradient (NaN and ±Inf anywhere propagate); fp16
+    gradients are checked element-wise, so a large but finite fp16 gradient is not a false alarm."""
+    backend = _backend()
+    params = list(backend.module.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    assert backend.local_grads_finite()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        params[-1].grad.view(-1)[-1] = bad
+        assert not backend.local_grads_finite(), bad
+        params[-1].grad.zero_()
+    params[0].data = params[0].data.half()
+    params[0].grad = torch.full_like(params[0], 60000.0)  # fp16, norm ≫ 65504, finite
+    assert backend.local_grads_finite()
+    params[0].grad[0, 0] = float("inf")
+    assert not backend.local_grads_finite()
+    params[1].data = params[1].data.bfloat16()
+    params[0].grad.zero_()
+    params[1].grad = torch.full_like(params[1], 3e38)  # bf16, finite, its norm overflows
+    assert not backend.local_grads_finite(), "an overflowing norm must read as non-finite (the step is skipped)"
+    for p in params:
+        p.grad = None
+    assert backend.local_grads_finite()

@@ -171,11 +171,17 @@ def test_lean_decoder_equals_hf_module_path(arch, head_dim, kv_heads, temperatur
     assert lean[0].finish_reason == "stop" and len(lean[0].token_ids) <= 3
 
 
-def test_compaction_and_dedup_do_not_change_a_completion():
-    """Rows that stop early leave the batch and repeated prompts share one prefill; every
-    completion must still equal the one its seed gives alone."""
+@pytest.mark.parametrize("compact, decoder", [(None, "auto"), ("every", "auto"), ("never", "auto"), ("every", "hf")])
+def test_compaction_and_dedup_do_not_change_a_completion(monkeypatch, compact, decoder):
+    """Rows that stop early leave the batch (after every finish, once a quarter of the batch has
+    finished — the default —, or never: finished rows ride along) and repeated prompts share one
+    prefill; every completion must still equal the one its seed gives alone."""
+    import fastgrpo.rollout.torch_engine as te
+
+    if compact is not None:
+        monkeypatch.setattr(te, "_compact_at", (lambda rows: 1) if compact == "every" else (lambda rows: 10 ** 9))
     model, tok = _model("qwen2", 32, seed=17)
-    eng = TorchEngine(model, tok)
+    eng = TorchEngine(model, tok, decoder=decoder)
     s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=(7, 11))
     seeds = [3 * i + 1 for i in range(len(MIXED))]
     batched = _outputs(eng, MIXED, s, seeds)
