@@ -16,7 +16,11 @@ and tokens/s = (prompt + completion tokens of the step's P·G sequences) / step 
 completion lengths each trainer actually produced. There is no byte/FLOP floor here: the ratio
 fastgrpo / TRL, measured side by side, is the figure (target ≥ 3×).
 
-    python -m benchmarks.bench_e2e --prompts 8 --group 8 --max-new-tokens 32 --steps 5
+The completion cap is swept (default 32, 128, 256 new tokens): the random model stops at an EOS
+now and then, so completions spread in length and the cap sets both the decode length and how
+much padding TRL's padded batch carries. Each cap gets its own fresh pair of trainers.
+
+    python -m benchmarks.bench_e2e --prompts 8 --group 8 --max-new-tokens 32 128 256 --steps 5
 """
 from __future__ import annotations
 
@@ -132,7 +136,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8, help="P: prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G: completions per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=32, help="completion length cap (both trainers)")
+    ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 128, 256],
+                    help="completion length caps to sweep (both trainers; one fresh pair per cap)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (>= 5: medians)")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured first steps")
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -140,38 +145,48 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-drop-in", action="store_true", help="skip the TRL + fastgrpo loss case")
     a = ap.parse_args(argv)
-    for name in ("prompts", "group", "max_new_tokens", "steps"):
+    for name in ("prompts", "group", "steps"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: expected an integer >= 1")
+    if any(n < 1 for n in a.max_new_tokens):
+        raise ValueError(f"--max-new-tokens={a.max_new_tokens}: expected integers >= 1")
     if a.steps < 5:
         print(f"[bench_e2e] note: --steps={a.steps} < 5, medians of few samples")
     if a.threads:
         torch.set_num_threads(a.threads)
-    shape = f"P={a.prompts},G={a.group},L={a.max_new_tokens},tiny-qwen2"
     bench = Bench("e2e")
     pairs = [("TRL GRPOTrainer", False)] + ([] if a.no_drop_in else [("TRL + fastgrpo loss", True)])
+    caps = list(a.max_new_tokens)
+    summary = []
+    for cap in caps:
+        a.max_new_tokens = cap
+        shape = f"P={a.prompts},G={a.group},L={cap},tiny-qwen2"
 
-    def add(case, times, tokens, base_s):
-        st = _stats(times)
-        tps = statistics.median([t / s for t, s in zip(tokens, times)])
-        bench.add(case=case, shape=shape, stats=st,
-                  extra={"s_per_step": round(st.median_s, 3), "tokens_per_s": round(tps, 1),
-                         "speedup_vs_trl": round(base_s / st.median_s, 2)})
+        def add(case, times, tokens, base_s):
+            st = _stats(times)
+            tps = statistics.median([t / s for t, s in zip(tokens, times)])
+            bench.add(case=case, shape=shape, stats=st,
+                      extra={"s_per_step": round(st.median_s, 3), "tokens_per_s": round(tps, 1),
+                             "speedup_vs_trl": round(base_s / st.median_s, 2)})
+            return base_s / st.median_s
 
-    phases = {}
-    with tempfile.TemporaryDirectory() as d:
-        fast = FastgrpoStepper(a, d)
-        for case, drop_in in pairs:
-            fast.times, fast.tokens, fast.phases = [], [], {}
-            times, tokens = run_trl(a, d, drop_in, fast)
-            base = statistics.median(times)
-            add(f"fastgrpo Trainer (interleaved with {case})", fast.times, fast.tokens, base)
-            add(case, times, tokens, base)
-            phases.update({f"{k} (vs {case})": statistics.median(v) for k, v in fast.phases.items()})
-        fast.trainer.close()
+        phases = {}
+        with tempfile.TemporaryDirectory() as d:
+            fast = FastgrpoStepper(a, d)
+            for case, drop_in in pairs:
+                fast.times, fast.tokens, fast.phases = [], [], {}
+                times, tokens = run_trl(a, d, drop_in, fast)
+                base = statistics.median(times)
+                speedup = add(f"fastgrpo Trainer (interleaved with {case})", fast.times, fast.tokens, base)
+                add(case, times, tokens, base)
+                phases.update({f"{k} (vs {case})": statistics.median(v) for k, v in fast.phases.items()})
+                summary.append(f"L={cap} vs {case}: {speedup:.2f}x")
+            fast.trainer.close()
+        # where fastgrpo's step goes (its own phase timers, medians): the figure to read the ratio by
+        print(f"fastgrpo phases at L={cap}, median s: "
+              + ", ".join(f"{k}={v:.3f}" for k, v in sorted(phases.items())))
     bench.finish()
-    # where fastgrpo's step goes (its own phase timers, medians): the figure to read the ratio by
-    print("fastgrpo phases, median s: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(phases.items())))
+    print("fastgrpo speed-up (target >= 3x): " + "; ".join(summary))
 
 
 if __name__ == "__main__":
