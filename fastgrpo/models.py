@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from .packing import PackedBatch
 
 VARLEN_ATTN = "fastgrpo_varlen_sdpa"
+# The forward kwarg carrying `PackedBatch.segment_prefix` to the varlen attention (through the
+# model's **kwargs, like cu_seq_lens_q, so a checkpointed recomputation receives it too).
+PREFIX_KWARG = "fastgrpo_segment_prefix"
 _FLASH_PREFIXES = ("flash_attention", "kernels-community/flash", "kernels-community/vllm-flash")
 _SWITCHABLE = ("sdpa", "eager", VARLEN_ATTN)
 # Set while _run runs the model: the mask builder then returns no mask (the
@@ -59,14 +62,24 @@ class _VarlenPlan:
     packed row): 64 sequences of 4–40 tokens 23 → 18 ms, 256 of them 123 → 64 ms (a padded
     batch: 110 ms) — the per-sequence loop spent more in slicing and its backward (a zero-filled
     [H, T, D] gradient per slice) than in attention; spread lengths (16 of 70–290 tokens) tie.
+
+    Shared-prefix batches (`PackedBatch.segment_prefix`): a segment whose queries also attend a
+    prefix span (a completion after its group's shared prompt) is gathered as queries
+    `[S_b, H, Lq_b, D]` against keys / values `prefix ‖ own tokens ‖ padding` `[S_b, H, Lk_b, D]`
+    with an explicit mask (query i sees key j iff j ≤ prefix length + i): the same exactness
+    argument holds, and the prefix tokens' gradients are summed over every segment that read
+    them (index_select's backward).
     """
 
-    __slots__ = ("cu", "version", "device", "width", "buckets", "unpad")
+    __slots__ = ("cu", "version", "prefix", "device", "width", "buckets", "unpad", "_bias")
 
-    def __init__(self, cu: torch.Tensor, device, width: int):
+    def __init__(self, cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None):
         bounds = cu.tolist()
+        pre = prefix.tolist() if prefix is not None else [(0, 0)] * (len(bounds) - 1)
+        if len(pre) != len(bounds) - 1:
+            raise ValueError(f"segment_prefix: expected {len(bounds) - 1} rows (one per segment), got {len(pre)}")
         seqs = sorted(((bounds[s + 1] - bounds[s], bounds[s]) for s in range(len(bounds) - 1)
-                       if bounds[s + 1] > bounds[s]), reverse=True)
+                       if bounds[s + 1] > bounds[s] and pre[s][1] == 0), reverse=True)
         groups = []  # [(L_b, [lengths], [starts])], longest first
         for n, a in seqs:
             if groups and width * (groups[-1][0] ** 2 - n * n) // 2 <= _CALL_COST:
@@ -85,10 +98,57 @@ class _VarlenPlan:
             idx = a + torch.minimum(t, n - 1)
             real = t < n
             unpad[(a + t)[real]] = (offset + torch.arange(len(lens))[:, None] * L + t)[real]
-            self.buckets.append((idx.reshape(-1).to(device), len(lens), L))
+            idx = idx.reshape(-1).to(device)
+            self.buckets.append((idx, idx, len(lens), L, L, None))
             offset += len(lens) * L
+        # prefixed segments, by key length (prefix + own), longest first; a segment joins the
+        # bucket while the query·key work its padding adds stays under one call's cost
+        segs = sorted(((pre[s][1] + bounds[s + 1] - bounds[s], bounds[s + 1] - bounds[s], bounds[s], pre[s][0],
+                        pre[s][1]) for s in range(len(bounds) - 1) if bounds[s + 1] > bounds[s] and pre[s][1] > 0),
+                      reverse=True)
+        pgroups = []  # [[Lq, Lk, [segments]]]
+        for seg in segs:
+            kl, n = seg[0], seg[1]
+            if pgroups:
+                lq0, lk0, members = pgroups[-1]
+                lq, lk = max(lq0, n), max(lk0, kl)
+                added = (len(members) + 1) * lq * lk - len(members) * lq0 * lk0 - n * kl
+                if width * added <= _CALL_COST:
+                    pgroups[-1][0], pgroups[-1][1] = lq, lk
+                    members.append(seg)
+                    continue
+            pgroups.append([n, kl, [seg]])
+        for lq, lk, members in pgroups:
+            n = torch.tensor([m[1] for m in members], dtype=torch.int64)[:, None]
+            a = torch.tensor([m[2] for m in members], dtype=torch.int64)[:, None]
+            ps = torch.tensor([m[3] for m in members], dtype=torch.int64)[:, None]
+            pl = torch.tensor([m[4] for m in members], dtype=torch.int64)[:, None]
+            t = torch.arange(lq, dtype=torch.int64)[None]
+            j = torch.arange(lk, dtype=torch.int64)[None]
+            q_idx = a + torch.minimum(t, n - 1)
+            k_idx = torch.where(j < pl, ps + torch.minimum(j, pl - 1), a + (j - pl).clamp(0).minimum(n - 1))
+            real = t < n
+            unpad[(a + t)[real]] = (offset + torch.arange(len(members))[:, None] * lq + t)[real]
+            # query i of a row sees key j iff j <= prefix length + i (never a pad key when i is real)
+            keep = j[:, None, :] <= (pl[:, :, None] + t[:, :, None])
+            self.buckets.append((q_idx.reshape(-1).to(device), k_idx.reshape(-1).to(device), len(members), lq, lk,
+                                 keep.to(device)))
+            offset += len(members) * lq
         self.unpad = unpad.to(device)
         self.cu, self.version, self.device, self.width = cu, cu._version, device, width
+        self.prefix = prefix
+        self._bias = {}
+
+    def bias(self, b: int, g: int, hk: int, dtype) -> torch.Tensor:
+        """Additive mask of prefixed bucket `b` laid out for `_short_causal_attention`'s
+        [n·Hkv, g·Lq, Lk] score matrix (built once per forward, reused by every layer)."""
+        key = (b, g, hk, dtype)
+        out = self._bias.get(key)
+        if out is None:
+            keep = self.buckets[b][5]
+            add = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+            out = self._bias[key] = add.repeat(1, g, 1).repeat_interleave(hk, dim=0)
+        return out
 
 
 # One SDPA call (forward + backward) costs about this many query·key·(heads × head dim)
@@ -99,12 +159,12 @@ _CALL_COST = 150_000
 _LAST_PLAN: list = [None]
 
 
-def _plan_for(cu: torch.Tensor, device, width: int) -> _VarlenPlan:
+def _plan_for(cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None) -> _VarlenPlan:
     """`width`: query heads × head dim (the attention work per query·key pair)."""
     plan = _LAST_PLAN[0]
     if (plan is None or plan.cu is not cu or plan.version != cu._version or plan.device != device
-            or plan.width != width):
-        plan = _LAST_PLAN[0] = _VarlenPlan(cu, device, width)
+            or plan.width != width or plan.prefix is not prefix):
+        plan = _LAST_PLAN[0] = _VarlenPlan(cu, device, width, prefix)
     return plan
 
 
@@ -113,24 +173,29 @@ def _plan_for(cu: torch.Tensor, device, width: int) -> _VarlenPlan:
 # 2:1): L = 38 1.54 vs 2.00 ms (D 32) and 12.0 vs 14.9 ms (8 heads, D 64); L = 128 ties; L =
 # 512 SDPA wins (11.6 vs 13.3 ms), as its tiles skip the masked half.
 _MATH_MAX_LEN = 64
+# Prefixed buckets (shared-prompt completions, explicit mask: SDPA cannot skip the masked half
+# either) take the baddbmm path up to this many keys.
+_MATH_MAX_KEYS = 256
 _CAUSAL_BIAS: dict = {}
 
 
-def _short_causal_attention(q, k, v, scaling):
+def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = None):
     """Causal attention as baddbmm (scale + causal bias + QK^T) → softmax → bmm, for short
-    sequences. q [n, Hq, L, D], k / v [n, Hkv, L, D] (any strides) → [n, Hq, L, D]. The query heads
-    sharing a KV head are the rows of one matrix, so GQA repeats nothing."""
+    sequences. q [n, Hq, Lq, D], k / v [n, Hkv, Lk, D] (any strides) → [n, Hq, Lq, D]. The query
+    heads sharing a KV head are the rows of one matrix, so GQA repeats nothing. `bias`: an
+    additive mask [n·Hkv, g·Lq, Lk] (default: causal, Lq = Lk)."""
     n, hq, L, d = q.shape
-    hk = k.shape[1]
+    hk, Lk = k.shape[1], k.shape[2]
     g = hq // hk
-    key = (L, g, q.dtype, q.device)
-    bias = _CAUSAL_BIAS.get(key)
     if bias is None:
-        bias = torch.full((L, L), float("-inf"), dtype=q.dtype, device=q.device).triu_(1).repeat(g, 1)
-        _CAUSAL_BIAS[key] = bias
+        key = (L, g, q.dtype, q.device)
+        bias = _CAUSAL_BIAS.get(key)
+        if bias is None:
+            bias = torch.full((L, L), float("-inf"), dtype=q.dtype, device=q.device).triu_(1).repeat(g, 1)
+            _CAUSAL_BIAS[key] = bias
     scale = scaling if scaling is not None else d ** -0.5
     qq = q.reshape(n * hk, g * L, d)
-    kk, vv = k.reshape(n * hk, L, d), v.reshape(n * hk, L, d)
+    kk, vv = k.reshape(n * hk, Lk, d), v.reshape(n * hk, Lk, d)
     att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale)
     if att.dtype != torch.float32:  # SDPA's CPU kernels accumulate the softmax in float32 as well
         att = att.softmax(-1, dtype=torch.float32).to(vv.dtype)
@@ -156,25 +221,33 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
     _, hq, T, d = query.shape
-    plan = _plan_for(cu, query.device, hq * d)
+    plan = _plan_for(cu, query.device, hq * d, kwargs.get(PREFIX_KWARG))
     if not plan.buckets:
         return query.new_zeros(1, T, hq, d), None
     p = dropout if module.training else 0.0
-    gqa = hq != key.shape[1]
+    hk = key.shape[1]
+    gqa = hq != hk
     # token-major [T, H, D] views (the projections' own layout in HF models): gathering whole
     # rows, and index_add of whole rows in the backward, is ~20% faster than along dim 1
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     outs = []
-    for idx, n, L in plan.buckets:
-        def pad(x):  # [T, H, D] → [n, H, L, D] (strided: SDPA's CPU kernel takes any strides)
+    for b, (q_idx, k_idx, n, Lq, Lk, keep) in enumerate(plan.buckets):
+        def pad(x, idx, L):  # [T, H, D] → [n, H, L, D] (strided: SDPA's CPU kernel takes any strides)
             return x.index_select(0, idx).view(n, L, x.shape[1], d).transpose(1, 2)
 
-        if L <= _MATH_MAX_LEN and p == 0.0 and query.device.type == "cpu":
-            o = _short_causal_attention(pad(q), pad(k), pad(v), scaling)
+        qb, kb, vb = pad(q, q_idx, Lq), pad(k, k_idx, Lk), pad(v, k_idx, Lk)
+        math_ok = p == 0.0 and query.device.type == "cpu"
+        if keep is None and Lq <= _MATH_MAX_LEN and math_ok:
+            o = _short_causal_attention(qb, kb, vb, scaling)
+        elif keep is None:
+            o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, scale=scaling,
+                                               enable_gqa=gqa)
+        elif Lk <= _MATH_MAX_KEYS and math_ok:
+            o = _short_causal_attention(qb, kb, vb, scaling, plan.bias(b, hq // hk, hk, qb.dtype))
         else:
-            o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), dropout_p=p, is_causal=True,
-                                               scale=scaling, enable_gqa=gqa)
-        outs.append(o.transpose(1, 2).reshape(n * L, hq, d))
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep[:, None], dropout_p=p, scale=scaling,
+                                               enable_gqa=gqa)
+        outs.append(o.transpose(1, 2).reshape(n * Lq, hq, d))
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
     return flat.index_select(0, plan.unpad)[None], None
 
@@ -237,6 +310,11 @@ def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hid
         keep = torch.zeros(0, dtype=torch.int64)  # no lm_head rows: the caller applies it
     kw = dict(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
               use_cache=False, logits_to_keep=keep.to(device), output_hidden_states=hidden)
+    shared = getattr(batch, "segment_prefix", None) is not None
+    if shared and (_is_flash(hf.config._attn_implementation) or attn == "mask"):
+        what = "flash attention" if attn != "mask" else "attn='mask'"
+        raise ValueError(f"this batch has the shared-prefix layout, which {what} cannot run: build it with "
+                         "share_prefix=False (the trainer does so for flash-attention models)")
     if _is_flash(hf.config._attn_implementation):
         cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
         return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
@@ -246,6 +324,8 @@ def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hid
         return model(**kw)
     enable_packed_attention(hf)
     cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
+    if shared:
+        kw[PREFIX_KWARG] = batch.segment_prefix.cpu()
     token = _PACKED_CALL.set(True)
     try:
         return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,

@@ -250,6 +250,20 @@ class PackedBatch:
       cu_seqlens     int32  [S+1] sequence offsets in token space (flash-attn varlen)
       max_seqlen     int    max L_s
       mask           bool   True on completion tokens
+      segment_prefix None
+
+    Shared-prefix layout (`build_packed_batches(..., share_prefix=True)`): the sequences of a
+    micro-batch that have the same prompt (a GRPO group) carry it once, prompt ‖ completion_a ‖
+    completion_b ‖ …, every completion positioned after the prompt (positions P..P+C-1). The
+    model input is then cut into K attention *segments* (a shared prompt, a completion, or an
+    unshared prompt ‖ completion) and
+      cu_seqlens     int32  [K+1] segment offsets in token space
+      segment_prefix int64  [K, 2] (start, length) of the token span that every query of segment
+                            k attends to before the segment's own causal span: its prompt for a
+                            completion of a shared prompt, (0, 0) otherwise
+      max_seqlen     int    max over segments of prefix length + segment length
+    Only the varlen CPU attention of `fastgrpo.models` runs this layout (flash-attn and
+    attn="mask" refuse it); the completion-space fields below keep their meaning and order.
 
     Completion space, the loss input `[N]` (the loss contract of DESIGN.md, ready to pass to
     `grpo_loss` / `fused_linear_grpo_loss` with `cu_seqlens=loss_cu_seqlens`):
@@ -286,6 +300,7 @@ class PackedBatch:
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
     weights: Optional[torch.Tensor] = None
+    segment_prefix: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -365,7 +380,7 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
                          ids: Optional[Sequence[Tuple[int, int]]] = None, group_size: int = 1,
                          allow_oversize: bool = False, min_micro_batches: int = 1,
                          workload: Workload = "tokens",
-                         attn_coef: float = DEFAULT_ATTN_COEF) -> List[PackedBatch]:
+                         attn_coef: float = DEFAULT_ATTN_COEF, share_prefix: bool = False) -> List[PackedBatch]:
     """Pack rollouts into micro-batches of at most `token_budget` tokens (first-fit-decreasing).
 
     Inputs, one entry per rollout sequence i: `prompt_ids[i]` (≥ 1 token: the first completion
@@ -389,6 +404,12 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
     Karmarkar–Karp (`balance_partitions` with `workload` / `attn_coef`) into that many
     micro-batches, adding one at a time until every one fits the budget (as verl's dynamic
     batch size does). It cannot exceed the number of sequences (no empty micro-batch).
+
+    `share_prefix=True`: inside each micro-batch, sequences with identical prompt tokens carry
+    the prompt once (see `PackedBatch`, shared-prefix layout): a GRPO group of G completions
+    runs its prompt through the model once instead of G times, with the same log-probs and
+    gradients. Micro-batches are still cut by the unshared lengths (never more tokens than the
+    budget; a shared batch is smaller).
     """
     n = len(prompt_ids)
     if len(completion_ids) != n:
@@ -421,6 +442,9 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
     batches = []
     for b in bins:
         seqs = sorted(b)  # rollout order inside a micro-batch: easier to read, same cost
+        if share_prefix:
+            batches.append(_shared_batch(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, ids))
+            continue
         p_lens = np.array([prompts[i].size for i in seqs], dtype=np.int64)
         c_lens = np.array([comp_lens[i] for i in seqs], dtype=np.int64)
         seq_lens = p_lens + c_lens
@@ -452,6 +476,76 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
             weights=_gather(wts, seqs),
         ))
     return batches
+
+
+def _shared_batch(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, ids) -> PackedBatch:
+    """One micro-batch in the shared-prefix layout (see `PackedBatch`). Sequences are regrouped
+    by prompt (first appearance order), so completion space follows the new sequence order."""
+    groups: dict = {}
+    for i in seqs:
+        groups.setdefault(prompts[i].tobytes(), []).append(i)
+    seqs = [i for members in groups.values() for i in members]
+    tokens, positions, seg_lens, prefix, logit_index, mask_pos = [], [], [], [], [], []
+    t = 0
+    for members in groups.values():
+        prompt = prompts[members[0]]
+        p = int(prompt.size)
+        start = t
+        tokens.append(prompt)
+        positions.append(np.arange(p, dtype=np.int64))
+        t += p
+        if len(members) == 1:  # nothing to share: an ordinary prompt ‖ completion segment
+            c = comp_lens[members[0]]
+            tokens.append(comps[members[0]])
+            positions.append(np.arange(p, p + c, dtype=np.int64))
+            seg_lens.append(p + c)
+            prefix.append((0, 0))
+            logit_index.append(np.arange(start + p - 1, start + p + c - 1, dtype=np.int64))
+            mask_pos.append(np.arange(start + p, start + p + c, dtype=np.int64))
+            t += c
+            continue
+        seg_lens.append(p)
+        prefix.append((0, 0))
+        for i in members:
+            c = comp_lens[i]
+            if c == 0:
+                continue  # no tokens, no segment; the sequence keeps its empty completion-space slice
+            tokens.append(comps[i])
+            positions.append(np.arange(p, p + c, dtype=np.int64))
+            seg_lens.append(c)
+            prefix.append((start, p))
+            # the first completion token is predicted by the shared last prompt token
+            logit_index.append(np.concatenate([[start + p - 1], np.arange(t, t + c - 1, dtype=np.int64)]))
+            mask_pos.append(np.arange(t, t + c, dtype=np.int64))
+            t += c
+    p_lens = np.array([prompts[i].size for i in seqs], dtype=np.int64)
+    c_lens = np.array([comp_lens[i] for i in seqs], dtype=np.int64)
+    seg = np.array(seg_lens, dtype=np.int64)
+    pre = np.array(prefix, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(t, dtype=bool)
+    if mask_pos:
+        mask[np.concatenate(mask_pos)] = True
+    li = np.concatenate(logit_index) if logit_index else np.zeros(0, dtype=np.int64)
+    return PackedBatch(
+        input_ids=torch.from_numpy(np.concatenate(tokens).astype(np.int64, copy=False)),
+        position_ids=torch.from_numpy(np.concatenate(positions)),
+        cu_seqlens=build_cu_seqlens(seg),
+        max_seqlen=int((seg + pre[:, 1]).max()),
+        mask=torch.from_numpy(mask),
+        logit_index=torch.from_numpy(li.astype(np.int64, copy=False)),
+        targets=_gather(comps, seqs, np.int64),
+        advantages=_gather(adv, seqs),
+        loss_mask=_gather(cmask if cmask is not None else [np.ones(c, np.float32) for c in comp_lens], seqs),
+        loss_cu_seqlens=build_cu_seqlens(c_lens),
+        prompt_lens=torch.from_numpy(p_lens),
+        completion_lens=torch.from_numpy(c_lens),
+        seq_index=torch.tensor(seqs, dtype=torch.int64),
+        ids=[ids[i] for i in seqs],
+        old_logp=_gather(olp, seqs),
+        ref_logp=_gather(rlp, seqs),
+        weights=_gather(wts, seqs),
+        segment_prefix=torch.from_numpy(pre),
+    )
 
 
 def _micro_batches(lengths: List[int], budget: int, allow_oversize: bool, min_micro_batches,

@@ -214,8 +214,14 @@ class Trainer:
                 pick = lambda xs: [xs[k] for k in plan]  # noqa: E731
                 batches.extend(build_packed_batches(pick(prompts), pick(comps), pick(advs), budget,
                                                     completion_mask=pick(cmask), ids=pick(ids),
-                                                    allow_oversize=True))
+                                                    allow_oversize=True, share_prefix=self._share_prefix()))
         return batches
+
+    def _share_prefix(self) -> bool:
+        """Shared-prefix packing where the model's attention runs it (not flash attention)."""
+        from .models import _is_flash, _unwrap
+
+        return bool(self.cfg.packing.share_prefix) and not _is_flash(_unwrap(self.backend.module).config._attn_implementation)
 
     @torch.no_grad()
     def _logprobs_of(self, model, batch):

@@ -159,7 +159,7 @@ def test_bucketed_varlen_matches_padded(monkeypatch, call_cost, math_max):
     (lp * coef).sum().backward()
     plan = models._LAST_PLAN[0]
     lens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
-    sizes = [(m, L) for _, m, L in plan.buckets]
+    sizes = [(b[2], b[3]) for b in plan.buckets]  # (q index, k index, rows, Lq, Lk, mask)
     assert sum(m for m, _ in sizes) == len(lens)
     if call_cost == 0:  # only equal lengths share a call
         assert len(sizes) == len(set(lens))

@@ -143,3 +143,36 @@ def test_reference_model_only_when_beta_positive(cfg_factory):
     assert logs["loss/kl_mean"] > 0  # the policy moved away from the frozen reference
     assert all(torch.equal(v, ref0[k]) for k, v in t.ref_model.state_dict().items())
     t.close()
+
+
+def test_shared_prefix_packing_trains_like_unshared(cfg_factory):
+    """packing.share_prefix (default on) changes the layout of the update's micro-batches, not
+    the update: two steps with K = 2, β > 0 (old and reference log-probs scored on the same
+    layout) end with the same weights and losses as with share_prefix=false."""
+    runs = {}
+    for share in ("true", "false"):
+        t = Trainer(cfg_factory("steps=2", "algorithm.beta=0.1", "algorithm.inner_steps=2",
+                                f"packing.share_prefix={share}"), task=NoisyTask(), log=lambda m: None)
+        init = {k: v.clone() for k, v in t.backend.module.state_dict().items()}
+        packed = []
+        pack = t._pack
+
+        def capture(*args):
+            out = pack(*args)
+            packed.extend(out)
+            return out
+
+        t._pack = capture
+        logs = [t.step(), t.step()]
+        shared = [b for b in packed if b is not None and b.segment_prefix is not None and b.segment_prefix[:, 1].any()]
+        assert bool(shared) == (share == "true")
+        runs[share] = (logs, {k: v.clone() for k, v in t.backend.module.state_dict().items()})
+        assert any(not torch.equal(v, init[k]) for k, v in runs[share][1].items()), "no update was applied"
+        assert t._share_prefix() == (share == "true")
+        t.close()
+    (la, wa), (lb, wb) = runs["true"], runs["false"]
+    for a, b in zip(la, lb):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
+        assert a["loss/kl_mean"] == pytest.approx(b["loss/kl_mean"], abs=1e-6)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
