@@ -214,8 +214,17 @@ class Trainer:
                 pick = lambda xs: [xs[k] for k in plan]  # noqa: E731
                 batches.extend(build_packed_batches(pick(prompts), pick(comps), pick(advs), budget,
                                                     completion_mask=pick(cmask), ids=pick(ids),
-                                                    allow_oversize=True, share_prefix=self._share_prefix()))
+                                                    allow_oversize=True, share_prefix=self._share_prefix(),
+                                                    attn_coef=self._attn_coef()))
         return batches
+
+    def _attn_coef(self) -> float:
+        """`a` of the packing cost model a·L + L² for this model (≈ 6 · hidden size)."""
+        from .models import _unwrap
+        from .packing import DEFAULT_ATTN_COEF
+
+        hidden = getattr(_unwrap(self.backend.module).config, "hidden_size", None)
+        return 6.0 * hidden if hidden else float(DEFAULT_ATTN_COEF)
 
     def _share_prefix(self) -> bool:
         """Shared-prefix packing where the model's attention runs it (not flash attention)."""

@@ -137,3 +137,28 @@ def test_shared_layout_refused_where_it_cannot_run():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="shared-prefix layout"):
         packed_forward(model, b)
+
+
+def test_groups_share_only_where_the_cost_model_says_so():
+    from fastgrpo.packing import shares_prefix
+
+    assert shares_prefix(7, [27] * 8, attn_coef=384)          # the demo: short completions
+    assert not shares_prefix(7, [100] * 8, attn_coef=384)     # long completions, short prompt
+    assert not shares_prefix(50, [3], attn_coef=384)          # a group of one
+    assert shares_prefix(7, [100] * 8, attn_coef=6 * 4096)    # a 7B-class model: dense layers dominate
+    g = torch.Generator().manual_seed(2)
+    pa, pb = torch.randint(3, VOCAB, (10,), generator=g), torch.randint(3, VOCAB, (2,), generator=g)
+    comps = [torch.randint(3, VOCAB, (n,), generator=g) for n in (1, 2, 3, 20, 30)]
+    prompts = [pa, pa, pa, pb, pb]
+    # a = 1: group A (P 10, C 1,2,3): 2·110 > 14 shares; group B (P 2, C 20,30): 6 < 1300 does not
+    b = build_packed_batches(prompts, comps, [0.5] * 5, 4096, share_prefix=True, attn_coef=1.0)[0]
+    assert b.segment_prefix.tolist() == [[0, 0], [0, 10], [0, 10], [0, 10], [0, 0], [0, 0]]
+    assert b.num_tokens == 10 + 6 + 22 + 32
+    model = _model("qwen2")
+    coef = {i: torch.ones(len(c)) for i, c in enumerate(comps)}
+    lp_a, g_a = _run(model, build_packed_batches(prompts, comps, [0.5] * 5, 4096)[0], coef)
+    lp_b, g_b = _run(model, b, coef)
+    for i in lp_a:
+        assert (lp_a[i] - lp_b[i]).abs().max() <= TOL
+    for k in g_a:
+        assert (g_a[k] - g_b[k]).abs().max() <= TOL * max(1.0, g_a[k].abs().max().item()), k
