@@ -98,8 +98,9 @@ class AlgorithmConfig:
 @dataclass
 class PackingConfig:
     max_tokens: int = 4096  # token budget of one packed micro-batch (prompt + completion tokens)
-    # a group's prompt runs through the model once for its G completions (CPU varlen attention;
-    # flash-attention models always pack unshared): same log-probs and gradients, fewer tokens
+    # a group's prompt runs through the model once for its G completions, where the packing cost
+    # model expects a gain (CPU models; GPU / flash-attention models always pack unshared):
+    # same log-probs and gradients, fewer tokens
     share_prefix: bool = True
 
 

@@ -71,13 +71,18 @@ class _VarlenPlan:
     them (index_select's backward).
     """
 
-    __slots__ = ("cu", "version", "prefix", "device", "width", "buckets", "unpad", "_bias")
+    __slots__ = ("cu", "version", "prefix", "prefix_version", "device", "width", "buckets", "unpad", "_bias")
 
     def __init__(self, cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None):
         bounds = cu.tolist()
         pre = prefix.tolist() if prefix is not None else [(0, 0)] * (len(bounds) - 1)
-        if len(pre) != len(bounds) - 1:
-            raise ValueError(f"segment_prefix: expected {len(bounds) - 1} rows (one per segment), got {len(pre)}")
+        if len(pre) != len(bounds) - 1 or any(len(r) != 2 for r in pre):
+            raise ValueError(f"segment_prefix: expected {len(bounds) - 1} (start, length) rows (one per "
+                             f"segment), got shape {tuple(prefix.shape)}")
+        for s_, (ps, pl) in enumerate(pre):
+            if pl != 0 and not (0 <= ps and pl > 0 and ps + pl <= bounds[s_]):
+                raise ValueError(f"segment_prefix[{s_}] = ({ps}, {pl}): a prefix must be a span of tokens "
+                                 f"(length >= 0) before its segment, which starts at token {bounds[s_]}")
         seqs = sorted(((bounds[s + 1] - bounds[s], bounds[s]) for s in range(len(bounds) - 1)
                        if bounds[s + 1] > bounds[s] and pre[s][1] == 0), reverse=True)
         groups = []  # [(L_b, [lengths], [starts])], longest first
@@ -137,17 +142,20 @@ class _VarlenPlan:
         self.unpad = unpad.to(device)
         self.cu, self.version, self.device, self.width = cu, cu._version, device, width
         self.prefix = prefix
+        self.prefix_version = prefix._version if prefix is not None else None
         self._bias = {}
 
-    def bias(self, b: int, g: int, hk: int, dtype) -> torch.Tensor:
-        """Additive mask of prefixed bucket `b` laid out for `_short_causal_attention`'s
-        [n·Hkv, g·Lq, Lk] score matrix (built once per forward, reused by every layer)."""
-        key = (b, g, hk, dtype)
+    def bias(self, b: int, dtype, g: int = 0, hk: int = 0) -> torch.Tensor:
+        """Additive mask (0 / -inf) of prefixed bucket `b`, built once per forward and shared by
+        every layer (so autograd keeps one copy, not one per layer): [n, 1, Lq, Lk] for SDPA
+        (g = 0), or laid out for `_short_causal_attention`'s [n·Hkv, g·Lq, Lk] scores."""
+        key = (b, dtype, g, hk)
         out = self._bias.get(key)
         if out is None:
             keep = self.buckets[b][5]
             add = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-            out = self._bias[key] = add.repeat(1, g, 1).repeat_interleave(hk, dim=0)
+            out = add[:, None] if g == 0 else add.repeat(1, g, 1).repeat_interleave(hk, dim=0)
+            self._bias[key] = out
         return out
 
 
@@ -163,7 +171,8 @@ def _plan_for(cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tenso
     """`width`: query heads × head dim (the attention work per query·key pair)."""
     plan = _LAST_PLAN[0]
     if (plan is None or plan.cu is not cu or plan.version != cu._version or plan.device != device
-            or plan.width != width or plan.prefix is not prefix):
+            or plan.width != width or plan.prefix is not prefix
+            or (prefix is not None and plan.prefix_version != prefix._version)):
         plan = _LAST_PLAN[0] = _VarlenPlan(cu, device, width, prefix)
     return plan
 
@@ -183,7 +192,8 @@ def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = Non
     """Causal attention as baddbmm (scale + causal bias + QK^T) → softmax → bmm, for short
     sequences. q [n, Hq, Lq, D], k / v [n, Hkv, Lk, D] (any strides) → [n, Hq, Lq, D]. The query
     heads sharing a KV head are the rows of one matrix, so GQA repeats nothing. `bias`: an
-    additive mask [n·Hkv, g·Lq, Lk] (default: causal, Lq = Lk)."""
+    additive mask [n·Hkv, g·Lq, Lk] (default: causal, Lq = Lk). float32 only: the scores are
+    rounded to the input dtype (the caller sends half-precision models to SDPA)."""
     n, hq, L, d = q.shape
     hk, Lk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -196,11 +206,7 @@ def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = Non
     scale = scaling if scaling is not None else d ** -0.5
     qq = q.reshape(n * hk, g * L, d)
     kk, vv = k.reshape(n * hk, Lk, d), v.reshape(n * hk, Lk, d)
-    att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale)
-    if att.dtype != torch.float32:  # SDPA's CPU kernels accumulate the softmax in float32 as well
-        att = att.softmax(-1, dtype=torch.float32).to(vv.dtype)
-    else:
-        att = att.softmax(-1)
+    att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale).softmax(-1)
     return torch.bmm(att, vv).view(n, hq, L, d)
 
 
@@ -236,17 +242,19 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
             return x.index_select(0, idx).view(n, L, x.shape[1], d).transpose(1, 2)
 
         qb, kb, vb = pad(q, q_idx, Lq), pad(k, k_idx, Lk), pad(v, k_idx, Lk)
-        math_ok = p == 0.0 and query.device.type == "cpu"
+        # baddbmm rounds the scores to the input dtype before the softmax, SDPA keeps them in
+        # float32: half-precision models stay on SDPA
+        math_ok = p == 0.0 and query.device.type == "cpu" and query.dtype == torch.float32
         if keep is None and Lq <= _MATH_MAX_LEN and math_ok:
             o = _short_causal_attention(qb, kb, vb, scaling)
         elif keep is None:
             o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, scale=scaling,
                                                enable_gqa=gqa)
         elif Lk <= _MATH_MAX_KEYS and math_ok:
-            o = _short_causal_attention(qb, kb, vb, scaling, plan.bias(b, hq // hk, hk, qb.dtype))
+            o = _short_causal_attention(qb, kb, vb, scaling, plan.bias(b, qb.dtype, hq // hk, hk))
         else:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep[:, None], dropout_p=p, scale=scaling,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=plan.bias(b, qb.dtype), dropout_p=p,
+                                               scale=scaling, enable_gqa=gqa)
         outs.append(o.transpose(1, 2).reshape(n * Lq, hq, d))
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
     return flat.index_select(0, plan.unpad)[None], None

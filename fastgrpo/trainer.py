@@ -227,10 +227,14 @@ class Trainer:
         return 6.0 * hidden if hidden else float(DEFAULT_ATTN_COEF)
 
     def _share_prefix(self) -> bool:
-        """Shared-prefix packing where the model's attention runs it (not flash attention)."""
+        """Shared-prefix packing on CPU models (the varlen attention with its measured cost
+        model); flash attention cannot run the layout, and on GPU sdpa the prefixed buckets
+        would need a dense mask per bucket that nothing here has measured."""
         from .models import _is_flash, _unwrap
 
-        return bool(self.cfg.packing.share_prefix) and not _is_flash(_unwrap(self.backend.module).config._attn_implementation)
+        hf = _unwrap(self.backend.module)
+        return (bool(self.cfg.packing.share_prefix) and not _is_flash(hf.config._attn_implementation)
+                and hf.get_input_embeddings().weight.device.type == "cpu")
 
     @torch.no_grad()
     def _logprobs_of(self, model, batch):

@@ -171,7 +171,8 @@ def test_lean_decoder_equals_hf_module_path(arch, head_dim, kv_heads, temperatur
     assert lean[0].finish_reason == "stop" and len(lean[0].token_ids) <= 3
 
 
-@pytest.mark.parametrize("compact, decoder", [(None, "auto"), ("every", "auto"), ("never", "auto"), ("every", "hf")])
+@pytest.mark.parametrize("compact, decoder", [(None, "auto"), ("every", "auto"), ("never", "auto"), ("every", "hf"),
+                                              (None, "hf")])
 def test_compaction_and_dedup_do_not_change_a_completion(monkeypatch, compact, decoder):
     """Rows that stop early leave the batch (after every finish, once a quarter of the batch has
     finished — the default —, or never: finished rows ride along) and repeated prompts share one
@@ -252,3 +253,25 @@ def test_threads_are_restored_and_arguments_checked():
         TorchEngine(model, tok, num_threads=0)
     with pytest.raises(ValueError, match="decoder='vllm'"):
         TorchEngine(model, tok, decoder="vllm")
+
+
+@pytest.mark.parametrize("compact", [None, "never"])
+def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
+    """Stop strings are checked on live rows only: a finished row that rides along in the batch
+    (lazy compaction) keeps the length and finish reason it stopped with."""
+    import fastgrpo.rollout.torch_engine as te
+
+    if compact == "never":
+        monkeypatch.setattr(te, "_compact_at", lambda rows: 10 ** 9)
+    model, tok = _model("qwen2", 32, seed=17)
+    eng = TorchEngine(model, tok)
+    eng.eos_ids = set()
+    s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop=("1", "7"))
+    seeds = [5 * i + 2 for i in range(len(MIXED))]
+    batched = _outputs(eng, MIXED, s, seeds)
+    assert "stop" in {c.finish_reason for c in batched} and len({len(c.token_ids) for c in batched}) > 1
+    for p, seed, c in zip(MIXED, seeds, batched):
+        alone = _outputs(eng, [p], s, [seed])[0]
+        assert alone.token_ids == c.token_ids and alone.finish_reason == c.finish_reason
+        if c.finish_reason == "stop":
+            assert c.text.endswith(("1", "7")) and not any(x in c.text[:-1] for x in ("1", "7"))
