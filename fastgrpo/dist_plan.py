@@ -124,15 +124,28 @@ def all_reduce_metrics(metrics: Mapping[str, float], op: str = "mean",
     return out
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: bool = False) -> List[List[int]]:
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: bool = False,
+                       groups: Optional[Sequence] = None) -> List[List[int]]:
     """Indices of this rank's sequences per micro-batch, with the SAME number of micro-batches
     on every rank (the max over ranks of the first-fit-decreasing count). Within a rank the
     bins are balanced by Karmarkar–Karp when that respects the budget; otherwise the FFD bins
     are kept and padded with empty micro-batches (run as zero-weighted dummies). A sequence
-    over the budget raises ValueError, or gets its own micro-batch with `allow_oversize`."""
+    over the budget raises ValueError, or gets its own micro-batch with `allow_oversize`.
+
+    `groups` (a key per sequence, e.g. its prompt id): first-fit-decreasing packs whole groups
+    (cut into budget-sized runs when a group alone exceeds it), so that a shared-prefix batch
+    finds a group's completions together; lengths and the budget keep their unshared meaning."""
     from .packing import balance_partitions, pack_sequences
 
-    bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
+    if groups is not None and len(groups) != len(lengths):
+        raise ValueError(f"groups: expected one key per sequence ({len(lengths)}), got {len(groups)}")
+    if groups is not None and len(lengths):
+        units = _group_units(lengths, groups, max_tokens)
+        unit_bins = pack_sequences([sum(lengths[i] for i in u) for u in units], max_tokens,
+                                   allow_oversize=allow_oversize)
+        bins = [[i for k in b for i in units[k]] for b in unit_bins]
+    else:
+        bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
     m = len(bins)
     if _world() > 1:
         t = torch.tensor([m], dtype=torch.int64)
@@ -143,3 +156,22 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: 
         if len(kk) == m and all(p and sum(lengths[i] for i in p) <= max_tokens for p in kk):
             return kk
     return [sorted(b) for b in bins] + [[] for _ in range(m - len(bins))]
+
+
+def _group_units(lengths: Sequence[int], groups: Sequence, max_tokens: int) -> List[List[int]]:
+    """Sequence indices by group (first appearance order), each group cut into consecutive runs
+    of at most `max_tokens` tokens (a sequence over the budget alone in its run)."""
+    by_key: dict = {}
+    for i, key in enumerate(groups):
+        by_key.setdefault(key, []).append(i)
+    units = []
+    for members in by_key.values():
+        run, total = [], 0
+        for i in members:
+            if run and total + lengths[i] > max_tokens:
+                units.append(run)
+                run, total = [], 0
+            run.append(i)
+            total += lengths[i]
+        units.append(run)
+    return units

@@ -205,16 +205,19 @@ class Trainer:
                 prompts, comps, advs, ids, cmask = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [])
                 lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
+            share = self._share_prefix()
             batches = []
-            # a sequence over the budget gets a micro-batch of its own instead of failing the step
-            for plan in plan_micro_batches(lengths, budget, allow_oversize=True):
+            # a sequence over the budget gets a micro-batch of its own instead of failing the step;
+            # with shared prefixes whole groups go to one micro-batch (their prompt is then carried once)
+            for plan in plan_micro_batches(lengths, budget, allow_oversize=True,
+                                           groups=[key[0] for key in ids] if share else None):
                 if not plan:
                     batches.append(None)  # this rank has fewer sequences: a zero-weighted dummy keeps collectives aligned
                     continue
                 pick = lambda xs: [xs[k] for k in plan]  # noqa: E731
                 batches.extend(build_packed_batches(pick(prompts), pick(comps), pick(advs), budget,
                                                     completion_mask=pick(cmask), ids=pick(ids),
-                                                    allow_oversize=True, share_prefix=self._share_prefix(),
+                                                    allow_oversize=True, share_prefix=share,
                                                     attn_coef=self._attn_coef()))
         return batches
 

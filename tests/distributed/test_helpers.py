@@ -29,6 +29,26 @@ def test_plan_respects_budget_and_uses_every_sequence_once():
     assert plan_micro_batches([], 64) == []
 
 
+def test_plan_keeps_groups_together():
+    """With group keys, whole groups share a micro-batch; a group over the budget is cut into
+    budget-sized runs; every sequence appears once and no micro-batch exceeds the budget."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(5, 30, (48,), generator=g).tolist()
+    keys = [i // 6 for i in range(48)]               # 8 groups of 6 (≤ 174 tokens each)
+    plan = plan_micro_batches(lengths, 200, groups=keys)
+    assert sorted(i for b in plan for i in b) == list(range(48))
+    assert all(sum(lengths[i] for i in b) <= 200 for b in plan)
+    where = {i: k for k, b in enumerate(plan) for i in b}
+    assert all(len({where[i] for i in range(6 * q, 6 * q + 6)}) == 1 for q in range(8))
+    plain = plan_micro_batches(lengths, 200)          # length-only FFD scatters some group
+    where = {i: k for k, b in enumerate(plain) for i in b}
+    assert any(len({where[i] for i in range(6 * q, 6 * q + 6)}) > 1 for q in range(8))
+    big = plan_micro_batches([30] * 6 + [250], 100, allow_oversize=True, groups=[0] * 6 + [1])
+    assert sorted(map(sorted, big)) == [[0, 1, 2], [3, 4, 5], [6]]
+    with pytest.raises(ValueError, match="groups"):
+        plan_micro_batches([1, 2], 10, groups=[0])
+
+
 def test_plan_oversize_sequence():
     with pytest.raises(ValueError):
         plan_micro_batches([10, 100], 64)
