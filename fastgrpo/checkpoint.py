@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 _NAME = re.compile(r"^step-(\d{8})$")
+_OLD = re.compile(r"^step-(\d{8})\.old-(\d+)$")
 
 
 def ckpt_root(out_dir: str) -> str:
@@ -71,16 +72,51 @@ def _fsync_dir(path: str) -> None:
 
 
 def list_checkpoints(out_dir: str) -> List[str]:
-    """Complete checkpoints (name step-NNNNNNNN with meta.json), oldest first."""
+    """Complete checkpoints (name step-NNNNNNNN with meta.json), oldest first. A step whose
+    re-save was killed between its two renames (`save_checkpoint`) is listed under its swapped
+    out name `step-NNNNNNNN.old-<pid>`: it is complete, and it is that step's only copy."""
     root = ckpt_root(out_dir)
     if not os.path.isdir(root):
         return []
-    found = []
+    found = {}
     for name in os.listdir(root):
         m = _NAME.match(name)
         if m and os.path.exists(os.path.join(root, name, "meta.json")):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return [p for _, p in sorted(found)]
+            found[int(m.group(1))] = os.path.join(root, name)
+    for step, path in _orphaned_swaps(root):
+        found.setdefault(step, path)
+    return [found[k] for k in sorted(found)]
+
+
+def _swapped_out(root: str):
+    """(step, path, pid) of every `step-NNNNNNNN.old-<pid>` directory (a re-save's old copy)."""
+    for name in os.listdir(root):
+        m = _OLD.match(name)
+        if m and os.path.exists(os.path.join(root, name, "meta.json")):
+            yield int(m.group(1)), os.path.join(root, name), int(m.group(2))
+
+
+def _orphaned_swaps(root: str):
+    """Swapped-out copies of a dead process whose step directory is missing (killed between
+    the renames): (step, path)."""
+    for step, path, pid in _swapped_out(root):
+        final = os.path.join(root, f"step-{step:08d}")
+        if pid != os.getpid() and not _pid_alive(pid) and not os.path.exists(os.path.join(final, "meta.json")):
+            yield step, path
+
+
+def _recover_swaps(root: str) -> None:
+    """Finish re-saves that a dead process left half done: put an orphaned old copy back in
+    place, and delete an old copy whose step directory was already replaced."""
+    for step, path, pid in list(_swapped_out(root)):
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        final = os.path.join(root, f"step-{step:08d}")
+        if os.path.exists(os.path.join(final, "meta.json")):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)  # nothing complete there (a partial copy at most)
+            os.rename(path, final)
 
 
 def latest_checkpoint(out_dir: str) -> Optional[str]:
@@ -135,6 +171,7 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
     root = ckpt_root(out_dir)
     os.makedirs(root, exist_ok=True)
     _remove_stale_tmp(root)
+    _recover_swaps(root)
     final = os.path.join(root, f"step-{step:08d}")
     tmp = tmp or begin_path(out_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)

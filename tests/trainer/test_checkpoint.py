@@ -2,6 +2,7 @@
 keeps the newest, and a run resumed from step k ends with the same weights as an uninterrupted
 run."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,38 @@ def test_prune_keeps_last_k_and_ignores_incomplete(tmp_path):
     assert ckpt.latest_checkpoint(out).endswith("step-00000005")
     ckpt.save_checkpoint(out, 5, m, keep_last=2)  # re-saving a step replaces it
     assert ckpt.latest_checkpoint(out).endswith("step-00000005")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # exited and reaped: no process has this pid now (pids are not reused at once)
+
+
+def test_resave_killed_between_its_renames_loses_nothing(tmp_path):
+    """A re-save of step N swaps the old copy out (step-N.old-<pid>) before renaming the new
+    one in; killed in between, step N exists only as the old copy. It is listed (resume finds
+    it), and the next save puts it back in place; an old copy whose swap completed is removed."""
+    out = str(tmp_path)
+    root = ckpt.ckpt_root(out)
+    m = torch.nn.Linear(3, 3)
+    with torch.no_grad():
+        m.weight.fill_(4.0)
+    ckpt.save_checkpoint(out, 4, m, keep_last=3)
+    ckpt.save_checkpoint(out, 5, m, keep_last=3)
+    pid = _dead_pid()
+    os.rename(os.path.join(root, "step-00000005"), os.path.join(root, f"step-00000005.old-{pid}"))
+    latest = ckpt.latest_checkpoint(out)
+    assert latest.endswith(f"step-00000005.old-{pid}")
+    back = torch.nn.Linear(3, 3)
+    assert ckpt.load_checkpoint(latest, back, restore_rng=False)["step"] == 5 and torch.all(back.weight == 4.0)
+    ckpt.save_checkpoint(out, 6, m, keep_last=3)
+    assert sorted(os.listdir(root)) == ["step-00000004", "step-00000005", "step-00000006"]
+    # a stray old copy beside its replaced step (killed after both renames) is deleted
+    shutil.copytree(os.path.join(root, "step-00000006"), os.path.join(root, f"step-00000006.old-{pid}"))
+    assert ckpt.latest_checkpoint(out).endswith("step-00000006")
+    ckpt.save_checkpoint(out, 7, m, keep_last=3)
+    assert sorted(os.listdir(root)) == ["step-00000005", "step-00000006", "step-00000007"]
 
 
 def _weights(trainer):
