@@ -127,7 +127,8 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    num_samples: int = 1  # samples per held-out prompt (k of pass@k; 1 = greedy accuracy)
+    num_samples: int = 1  # n samples per held-out prompt (1 = greedy accuracy); eval/pass@n is logged
+    pass_k: List[int] = field(default_factory=list)  # also log eval/pass@k for these k <= n (unbiased estimator)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (needed for pass@k with k > 1)
     max_problems: int = 200  # cap on held-out problems evaluated
     every: int = 0  # eval every N GRPO steps (0 = only before and after)
@@ -306,6 +307,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _bad("data.path", cfg.data.path, "a jsonl file when data.task=jsonl")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0:
         _bad("eval.temperature", cfg.eval.temperature, "> 0 when eval.num_samples > 1 (pass@k needs sampling)")
+    for i, k in enumerate(cfg.eval.pass_k):
+        if not 1 <= k <= cfg.eval.num_samples:
+            _bad(f"eval.pass_k[{i}]", k, f"an integer in [1, eval.num_samples={cfg.eval.num_samples}]")
     if cfg.distributed.rank >= cfg.distributed.world_size:
         _bad("distributed.rank", cfg.distributed.rank, f"< distributed.world_size={cfg.distributed.world_size}")
     try:
