@@ -136,7 +136,7 @@ class EvalConfig:
 
 @dataclass
 class SyncConfig:
-    every: int = 1  # push trainer weights to the rollout engine every N steps
+    every: int = 1  # push trainer weights to the rollout engine every N steps (in between, its rollouts are off-policy and their sampling log-probs serve as old log-probs)
 
 
 @dataclass

@@ -9,7 +9,9 @@ dropping zero-σ groups, dynamic sampling (resample until the batch is full of i
 
 Phases, each under an NVTX range and a `timing/<name>` timer of the same name: sample
 (curriculum) → rollout → reward → advantages → pack → old_logp (only when K > 1 or β > 0: with
-K = 1 the ratio is exactly 1 and the stored log-probs would equal the live ones) → update
+K = 1 the ratio is exactly 1 and the stored log-probs would equal the live ones; when the rollout
+engine holds weights older than the policy — sync.every > 1, between syncs — the rollout's own
+sampling log-probs are the old log-probs, packed with the batch) → update
 (packed forward → loss → backward → clip → optimizer / scheduler) → sync → checkpoint.
 
 The model and optimizer are reached only through `self.backend` (fastgrpo.distributed's
@@ -101,6 +103,9 @@ class Trainer:
         self.timers = Timers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
         self.metrics = MetricsLogger(cfg.logging.out_dir, cfg.logging.tensorboard, enabled=self.rank == 0)
         self.step_num = 0
+        # the engine holds weights older than the policy (sync.every > 1, between syncs): its
+        # rollouts are then off-policy and their own sampling log-probs are the old log-probs
+        self._engine_stale = False
         self.nan_skips = 0
         self.reward_errors = 0
         self._prompt_ids: Dict[int, List[int]] = {}
@@ -184,7 +189,12 @@ class Trainer:
         from .distributed import plan_micro_batches, rebalance
 
         with self.timers.phase("pack"):
-            prompts, comps, advs, ids, cmask = [], [], [], [], []
+            # rollouts of an engine behind the policy: their sampling log-probs are the behaviour
+            # policy's, so they are the loss's old log-probs (importance ratio ≠ 1 from the first
+            # inner step); otherwise the old log-probs are the policy's own (K = 1: the detached
+            # current ones; K > 1: scored before the first update)
+            stale = self._engine_stale
+            prompts, comps, advs, ids, cmask, olps = [], [], [], [], [], []
             for i, (p, grp) in enumerate(zip(problems, groups)):
                 pid = self._prompt_ids.get(p.id)
                 if pid is None:
@@ -197,12 +207,13 @@ class Trainer:
                     advs.append(float(adv[i, j]))
                     ids.append((p.id, j))
                     cmask.append([float(m) for m in c.sampled_mask])  # forced tokens carry no gradient
+                    olps.append(c.logprobs)
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             if self.world_size > 1:
                 # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
                 # without it the rank holding the longest groups sets everyone's step time
-                recs = rebalance(list(zip(prompts, comps, advs, ids, cmask)), lengths)
-                prompts, comps, advs, ids, cmask = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [])
+                recs = rebalance(list(zip(prompts, comps, advs, ids, cmask, olps)), lengths)
+                prompts, comps, advs, ids, cmask, olps = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [], [])
                 lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
             share = self._share_prefix()
@@ -217,6 +228,7 @@ class Trainer:
                 pick = lambda xs: [xs[k] for k in plan]  # noqa: E731
                 batches.extend(build_packed_batches(pick(prompts), pick(comps), pick(advs), budget,
                                                     completion_mask=pick(cmask), ids=pick(ids),
+                                                    old_logp=pick(olps) if stale else None,
                                                     allow_oversize=True, share_prefix=share,
                                                     attn_coef=self._attn_coef()))
         return batches
@@ -258,7 +270,9 @@ class Trainer:
             for b in batches:
                 if b is None:
                     continue
-                if need_old and self._zero3():  # inside the engine's forward ZeRO-3 gathers layer by layer
+                if b.old_logp is not None:
+                    pass  # the rollout's own log-probs (an engine behind the policy, see _pack)
+                elif need_old and self._zero3():  # inside the engine's forward ZeRO-3 gathers layer by layer
                     b.old_logp = self.backend.forward(self._logprobs_of, b)
                 elif need_old:
                     b.old_logp = self._logprobs_of(model, b)
@@ -365,6 +379,9 @@ class Trainer:
             if self.step_num % self.cfg.sync.every == 0:
                 with self._full_weights():
                     self.engine.update_weights(self.backend.module)
+                self._engine_stale = False
+            else:
+                self._engine_stale = True
 
     # ------------------------------------------------------------------ the step
     def step(self) -> Dict[str, float]:

@@ -176,3 +176,41 @@ def test_shared_prefix_packing_trains_like_unshared(cfg_factory):
         assert a["loss/kl_mean"] == pytest.approx(b["loss/kl_mean"], abs=1e-6)
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+
+
+def test_engine_behind_the_policy_supplies_the_old_logprobs(cfg_factory):
+    """sync.every = 2 with an engine holding its own weights: step 1 samples from the current
+    policy (ratio 1, no old log-probs); step 2 samples from weights one update old, so the packed
+    batch carries the rollout's own sampling log-probs as old log-probs and the importance ratio
+    moves off 1; step 3 (after the step-2 sync) is on-policy again."""
+    from fastgrpo.builders import build_model
+    from fastgrpo.rollout.torch_engine import TorchEngine
+
+    cfg = cfg_factory("steps=3", "sync.every=2", "optimizer.lr=0.05")
+    model, tok = build_model(cfg.model)
+    t = Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
+    seen = []
+    pack = t._pack
+
+    def capture(problems, groups, adv, keep):
+        out = pack(problems, groups, adv, keep)
+        seen.append((out, problems, groups))
+        return out
+
+    t._pack = capture
+    logs = [t.step() for _ in range(3)]
+    for step, (batches, problems, groups) in enumerate(seen, start=1):
+        real = [b for b in batches if b is not None]
+        assert real
+        if step != 2:
+            assert all(b.old_logp is None for b in real), step
+            continue
+        completion = {(p.id, j): c for p, g in zip(problems, groups) for j, c in enumerate(g)}
+        for b in real:
+            assert b.old_logp is not None
+            lo = b.loss_cu_seqlens.tolist()
+            for s, key in enumerate(b.ids):
+                assert b.old_logp[lo[s]:lo[s + 1]].tolist() == pytest.approx(completion[key].logprobs, abs=1e-6)
+    assert logs[0]["loss/ratio_max"] == pytest.approx(1.0) and logs[2]["loss/ratio_max"] == pytest.approx(1.0)
+    assert abs(logs[1]["loss/ratio_max"] - 1.0) > 1e-4 or abs(logs[1]["loss/ratio_min"] - 1.0) > 1e-4
+    t.close()
