@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fastgrpo.builders import build_optimizer, build_task, score_groups
+from fastgrpo.builders import build_model, build_optimizer, build_task, score_groups
 from fastgrpo.config import load_config
 from fastgrpo.demo.arithmetic import ArithmeticTask, accuracy_reward, format_reward
 from fastgrpo.metrics import MetricsLogger, make_plots, read_metrics
@@ -91,3 +91,24 @@ def test_metrics_logger_and_torn_line(tmp_path):
     assert rows[0]["reward/mean"] == 0.5 and rows[0]["loss/kl_mean"] is None
     pngs = make_plots(str(tmp_path))
     assert len(pngs) == 4 and all(open(p, "rb").read(4) == b"\x89PNG" for p in pngs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_optimizer_is_fused_adamw_and_steps(dtype):
+    """torch's fused AdamW (what build_optimizer picks on CPU) takes the step the per-tensor
+    AdamW takes, in float32 and bfloat16."""
+    cfg = load_config(None, [f"model.dtype={dtype}", "model.hidden_size=32", "model.num_hidden_layers=1",
+                             "model.intermediate_size=64", "model.num_attention_heads=2"])
+    model, _ = build_model(cfg.model)
+    opt, sched = build_optimizer(model, cfg.optimizer, 10)
+    assert opt.defaults["fused"] is True
+    ref = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in model.parameters()], lr=cfg.optimizer.lr,
+                            betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay)
+    model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits.float().pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.param_groups[0]["params"]):
+        q.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for p, q in zip(model.parameters(), ref.param_groups[0]["params"]):
+        assert torch.allclose(p.float(), q.float(), atol=tol), "fused AdamW departs from the per-tensor one"
