@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .packing import PackedBatch
+from .packed import PackedBatch
 
 VARLEN_ATTN = "fastgrpo_varlen_sdpa"
 # The forward kwarg carrying `PackedBatch.segment_prefix` to the varlen attention (through the
@@ -292,6 +292,23 @@ def enable_packed_attention(model) -> str:
         AttentionMaskInterface.register(VARLEN_ATTN, _varlen_mask)
     model.config._attn_implementation = VARLEN_ATTN
     return VARLEN_ATTN
+
+
+def can_share_prefix(model) -> bool:
+    """Whether packed forwards of `model` should take the shared-prefix layout: CPU models on
+    the varlen attention (whose cost model `packed.shares_prefix` was measured on). Flash
+    attention cannot run the layout; on GPU the prefixed buckets would need a dense mask per
+    bucket that nothing here has measured, so GPU models pack unshared."""
+    hf = _unwrap(model)
+    return not _is_flash(hf.config._attn_implementation) and hf.get_input_embeddings().weight.device.type == "cpu"
+
+
+def packing_attn_coef(model) -> float:
+    """`a` of the packing cost model a·L + L² for `model` (≈ 6 · hidden size)."""
+    from .packing import DEFAULT_ATTN_COEF
+
+    hidden = getattr(_unwrap(model).config, "hidden_size", None)
+    return 6.0 * hidden if hidden else float(DEFAULT_ATTN_COEF)
 
 
 def _check_batch(batch) -> None:

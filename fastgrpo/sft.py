@@ -41,7 +41,7 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     is given. Returns the last step's metrics."""
     from .loss import token_logprobs
     from .models import packed_logits
-    from .packing import build_packed_batches
+    from .packed import build_packed_batches
 
     scfg = cfg.sft
     if cfg.threads:

@@ -42,7 +42,8 @@ import torch
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .metrics import MetricsLogger, Timers, rollout_metrics
-from .packing import build_packed_batches
+from .models import can_share_prefix, packing_attn_coef
+from .packed import build_packed_batches
 from .builders import build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task, sampling_config
 
 
@@ -230,26 +231,11 @@ class Trainer:
                                                     completion_mask=pick(cmask), ids=pick(ids),
                                                     old_logp=pick(olps) if stale else None,
                                                     allow_oversize=True, share_prefix=share,
-                                                    attn_coef=self._attn_coef()))
+                                                    attn_coef=packing_attn_coef(self.backend.module)))
         return batches
 
-    def _attn_coef(self) -> float:
-        """`a` of the packing cost model a·L + L² for this model (≈ 6 · hidden size)."""
-        from .models import _unwrap
-        from .packing import DEFAULT_ATTN_COEF
-
-        hidden = getattr(_unwrap(self.backend.module).config, "hidden_size", None)
-        return 6.0 * hidden if hidden else float(DEFAULT_ATTN_COEF)
-
     def _share_prefix(self) -> bool:
-        """Shared-prefix packing on CPU models (the varlen attention with its measured cost
-        model); flash attention cannot run the layout, and on GPU sdpa the prefixed buckets
-        would need a dense mask per bucket that nothing here has measured."""
-        from .models import _is_flash, _unwrap
-
-        hf = _unwrap(self.backend.module)
-        return (bool(self.cfg.packing.share_prefix) and not _is_flash(hf.config._attn_implementation)
-                and hf.get_input_embeddings().weight.device.type == "cpu")
+        return bool(self.cfg.packing.share_prefix) and can_share_prefix(self.backend.module)
 
     @torch.no_grad()
     def _logprobs_of(self, model, batch):
