@@ -8,6 +8,8 @@
 2. Balance: Karmarkar–Karp over k = 8 data-parallel ranks, max/mean load (target ≤ 1.03),
    against a contiguous split of the same sequences (what a plain DistributedSampler gives).
 3. C++ vs Python time of packing and balancing 100 000 sequences (same results, asserted).
+   Shared prefixes on the same groups: the groups `shares_prefix` picks, tokens and modelled
+   work saved (a count at two model widths, no timing).
 4. Tiny-model forward+backward tokens/s, packed (varlen per-sequence SDPA, lm_head on completion
    positions only) vs padded (groups of 8 right-padded with an attention mask, full logits), on
    CPU. Work floor: both compute the same real tokens; padded also computes 8·L_max − Σ L pad
@@ -47,6 +49,31 @@ def efficiency(bench: Bench, args, rng) -> None:
         bins = P.pack_sequences(total, budget)
         bench.add("efficiency packed FFD", f"seqs={total.size},budget={budget}",
                   extra={"efficiency": float(total.sum() / (len(bins) * budget)), "micro_batches": len(bins)})
+    shared_prefix(bench, prompt, comp, g)
+
+
+def shared_prefix(bench: Bench, prompt, comp, g: int) -> None:
+    """Shared-prefix packing on the same groups: which groups the cost model shares (per model
+    width: a = 6·hidden), the tokens it saves, and the modelled work (a·L + L² per causal
+    sequence, 2·q·k per masked query × key block) it saves. A count, not a timing."""
+    for name, hidden in (("0.5B-class, hidden 896", 896), ("7B-class, hidden 4096", 4096)):
+        a = 6.0 * hidden
+        shared = saved = 0
+        work_plain = work_shared = 0.0
+        for i in range(0, comp.size, g):
+            p, cs = int(prompt[i]), [int(c) for c in comp[i:i + g]]
+            plain = sum(a * (p + c) + (p + c) ** 2 for c in cs)
+            work_plain += plain
+            if P.shares_prefix(p, cs, a):
+                shared += 1
+                saved += (len(cs) - 1) * p
+                work_shared += a * p + p * p + sum(a * c + 2 * c * (p + c) for c in cs)
+            else:
+                work_shared += plain
+        groups = comp.size // g
+        bench.add(f"shared prefix, {name}", f"groups={groups},G={g}",
+                  extra={"groups_shared": shared / groups, "tokens_saved": saved / float((prompt + comp).sum()),
+                         "work_saved": 1.0 - work_shared / work_plain})
 
 
 def balance(bench: Bench, args, rng) -> None:
