@@ -34,13 +34,15 @@ from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 _SMALL_STEP_FLOP = 1e9
 
 
-def _compact_at(rows: int) -> int:
-    """Finished rows that trigger a compaction of a batch of `rows`: a quarter of it (at least
-    one). A compaction copies the whole KV cache: ~150 µs at batch 64 on the demo model (one
-    thread), while a finished row riding along costs ~2.8 µs a decode step (310 vs 219 µs for 64
-    vs 32 rows). So finished rows stay until they are a quarter of the batch: at most a third
-    extra rows per step, and one compaction per quarter instead of one per finishing step."""
-    return max(1, rows // 4)
+def _compact_at(rows: int, small_step: bool = True) -> int:
+    """Finished rows that trigger a compaction of a batch of `rows`. Small decode steps (< 1
+    GFLOP, see `_threads`): a quarter of the batch (at least one). There a compaction, which
+    copies the whole KV cache, costs ~150 µs at batch 64 on the demo model (one thread), while a
+    finished row riding along costs ~2.8 µs a decode step (310 vs 219 µs for 64 vs 32 rows):
+    finished rows stay until they are a quarter of the batch (at most a third extra rows per
+    step, one compaction per quarter instead of one per finishing step). Larger steps, where a
+    row's matmuls outweigh a cache copy, compact as soon as one row finishes."""
+    return max(1, rows // 4) if small_step else 1
 
 
 _DECODERS = ("auto", "hf")
@@ -184,6 +186,7 @@ class TorchEngine(RolloutEngine):
         length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         rows = torch.arange(B, device=device)          # original row of each batch row
+        small_step = 2 * sum(p.numel() for p in model.parameters()) * B < _SMALL_STEP_FLOP
         alive = torch.ones(B, dtype=torch.bool, device=device)
         n_alive = B
         for t in range(max_new_tokens):
@@ -207,7 +210,7 @@ class TorchEngine(RolloutEngine):
                 n_alive -= n_done
             if t + 1 == max_new_tokens or n_alive == 0:
                 break
-            if len(rows) - n_alive >= _compact_at(len(rows)):
+            if len(rows) - n_alive >= _compact_at(len(rows), small_step):
                 keep = alive.nonzero()[:, 0]
                 # compaction: finished rows leave the batch, so the long tail computes live rows only
                 rows, nxt, next_pos, alive = rows[keep], nxt[keep], next_pos[keep], alive[keep]

@@ -180,7 +180,7 @@ def test_compaction_and_dedup_do_not_change_a_completion(monkeypatch, compact, d
     import fastgrpo.rollout.torch_engine as te
 
     if compact is not None:
-        monkeypatch.setattr(te, "_compact_at", (lambda rows: 1) if compact == "every" else (lambda rows: 10 ** 9))
+        monkeypatch.setattr(te, "_compact_at", (lambda rows, small: 1) if compact == "every" else (lambda rows, small: 10 ** 9))
     model, tok = _model("qwen2", 32, seed=17)
     eng = TorchEngine(model, tok, decoder=decoder)
     s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=(7, 11))
@@ -262,7 +262,7 @@ def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
     import fastgrpo.rollout.torch_engine as te
 
     if compact == "never":
-        monkeypatch.setattr(te, "_compact_at", lambda rows: 10 ** 9)
+        monkeypatch.setattr(te, "_compact_at", lambda rows, small: 10 ** 9)
     model, tok = _model("qwen2", 32, seed=17)
     eng = TorchEngine(model, tok)
     eng.eos_ids = set()
@@ -275,3 +275,10 @@ def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
         assert alone.token_ids == c.token_ids and alone.finish_reason == c.finish_reason
         if c.finish_reason == "stop":
             assert c.text.endswith(("1", "7")) and not any(x in c.text[:-1] for x in ("1", "7"))
+
+
+def test_compaction_threshold_depends_on_the_step_size():
+    from fastgrpo.rollout.torch_engine import _compact_at
+
+    assert _compact_at(64) == 16 and _compact_at(3) == 1        # small steps: a quarter of the batch
+    assert _compact_at(64, small_step=False) == 1              # large steps: at every finish
