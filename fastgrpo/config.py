@@ -136,7 +136,8 @@ class EvalConfig:
 
 @dataclass
 class SyncConfig:
-    every: int = 1  # push trainer weights to the rollout engine every N steps (in between, its rollouts are off-policy and their sampling log-probs serve as old log-probs)
+    # between syncs the engine's rollouts are off-policy: their sampling log-probs are the old log-probs
+    every: int = 1  # push trainer weights to the rollout engine every N steps
 
 
 @dataclass

@@ -180,7 +180,8 @@ def test_compaction_and_dedup_do_not_change_a_completion(monkeypatch, compact, d
     import fastgrpo.rollout.torch_engine as te
 
     if compact is not None:
-        monkeypatch.setattr(te, "_compact_at", (lambda rows, small: 1) if compact == "every" else (lambda rows, small: 10 ** 9))
+        at = 1 if compact == "every" else 10 ** 9
+        monkeypatch.setattr(te, "_compact_at", lambda rows, small: at)
     model, tok = _model("qwen2", 32, seed=17)
     eng = TorchEngine(model, tok, decoder=decoder)
     s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=(7, 11))
