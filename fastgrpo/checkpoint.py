@@ -97,11 +97,11 @@ def _swapped_out(root: str):
 
 
 def _orphaned_swaps(root: str):
-    """Swapped-out copies of a dead process whose step directory is missing (killed between
-    the renames): (step, path)."""
-    for step, path, pid in _swapped_out(root):
-        final = os.path.join(root, f"step-{step:08d}")
-        if pid != os.getpid() and not _pid_alive(pid) and not os.path.exists(os.path.join(final, "meta.json")):
+    """Swapped-out copies whose step directory is missing (a re-save killed between its
+    renames, or one in progress right now): (step, path). Whatever the pid — a restarted
+    container often gets the same one — the copy is complete, and that step's only one."""
+    for step, path, _ in _swapped_out(root):
+        if not os.path.exists(os.path.join(root, f"step-{step:08d}", "meta.json")):
             yield step, path
 
 
@@ -109,7 +109,10 @@ def _recover_swaps(root: str) -> None:
     """Finish re-saves that a dead process left half done: put an orphaned old copy back in
     place, and delete an old copy whose step directory was already replaced."""
     for step, path, pid in list(_swapped_out(root)):
-        if pid == os.getpid() or _pid_alive(pid):
+        # our own pid cannot be mid-swap here (saves run one at a time); another live pid may
+        # be (or be an unrelated process that reuses a dead writer's pid: its copy is still
+        # listed by list_checkpoints, and our own re-save of the step clears the name first)
+        if pid != os.getpid() and _pid_alive(pid):
             continue
         final = os.path.join(root, f"step-{step:08d}")
         if os.path.exists(os.path.join(final, "meta.json")):
@@ -206,6 +209,7 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
         raise
     if os.path.exists(final):  # re-saving a step (resumed run): swap the old one out first
         old = final + f".old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)  # an earlier process with this pid left it (its step is complete)
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)

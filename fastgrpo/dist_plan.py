@@ -139,23 +139,26 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, allow_oversize: 
 
     if groups is not None and len(groups) != len(lengths):
         raise ValueError(f"groups: expected one key per sequence ({len(lengths)}), got {len(groups)}")
+    # the units packed: single sequences, or whole groups (cut to the budget)
     if groups is not None and len(lengths):
+        if not allow_oversize:  # name the sequence itself, not the unit holding it
+            pack_sequences(list(lengths), max_tokens)
         units = _group_units(lengths, groups, max_tokens)
-        unit_bins = pack_sequences([sum(lengths[i] for i in u) for u in units], max_tokens,
-                                   allow_oversize=allow_oversize)
-        bins = [[i for k in b for i in units[k]] for b in unit_bins]
     else:
-        bins = pack_sequences(list(lengths), max_tokens, allow_oversize=allow_oversize) if len(lengths) else []
-    m = len(bins)
+        units = [[i] for i in range(len(lengths))]
+    sizes = [sum(lengths[i] for i in u) for u in units]
+    unit_bins = pack_sequences(sizes, max_tokens, allow_oversize=allow_oversize) if units else []
+    m = len(unit_bins)
     if _world() > 1:
         t = torch.tensor([m], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         m = int(t.item())
-    if m > len(bins) and len(lengths) >= m:
-        kk = [sorted(p) for p in balance_partitions(list(lengths), m)]
-        if len(kk) == m and all(p and sum(lengths[i] for i in p) <= max_tokens for p in kk):
-            return kk
-    return [sorted(b) for b in bins] + [[] for _ in range(m - len(bins))]
+    if m > len(unit_bins) and len(units) >= m:
+        kk = balance_partitions(sizes, m)
+        if len(kk) == m and all(p and sum(sizes[k] for k in p) <= max_tokens for p in kk):
+            unit_bins = kk
+    bins = [sorted(i for k in b for i in units[k]) for b in unit_bins]
+    return bins + [[] for _ in range(m - len(bins))]
 
 
 def _group_units(lengths: Sequence[int], groups: Sequence, max_tokens: int) -> List[List[int]]:

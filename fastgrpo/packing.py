@@ -35,7 +35,7 @@ from ._packing_py import balance_kk_py, cu_seqlens_py, pack_ffd_py, position_ids
 __all__ = ["pack_sequences", "pack_sequences_py", "pack_sequences_c", "balance_partitions",
            "balance_partitions_py", "balance_partitions_c", "partition_loads", "build_cu_seqlens",
            "build_cu_seqlens_py", "build_cu_seqlens_c", "build_position_ids", "build_position_ids_py",
-           "build_position_ids_c"]
+           "build_position_ids_c", "PackedBatch", "build_packed_batches", "shares_prefix", "unpack"]
 
 # Default `a` of the attention workload a·L + L²: per token, the dense layers of a transformer cost
 # ~24·d² FLOPs and attention ~4·d·L, so cost ∝ 6·d·L + L²; 6·4096 fits a 7B-class model (d = 4096).

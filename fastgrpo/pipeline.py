@@ -103,6 +103,7 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 
         def on_step(step, m):
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and task.heldout:
+                trainer.sync_engine()  # evaluate the policy, not the weights of the last sync
                 trainer.metrics.log(step, evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout))
             if bar is not None:
                 bar.update(1)
@@ -116,6 +117,7 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
             bar.close()
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
+            trainer.sync_engine()
             ev = evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
             trainer.metrics.log(trainer.step_num, ev)
             summary["accuracy_after"] = ev["eval/accuracy"]

@@ -110,6 +110,13 @@ class Trainer:
         self.nan_skips = 0
         self.reward_errors = 0
         self._prompt_ids: Dict[int, List[int]] = {}
+        r = cfg.rollout
+        if cfg.sync.every > 1 and getattr(self.engine, "model", None) is not self.backend.module and (
+                0 < r.top_k or r.top_p < 1.0):
+            raise ValueError(f"sync.every={cfg.sync.every} with rollout.top_k={r.top_k} / rollout.top_p={r.top_p}: "
+                             "between syncs the rollout's own log-probs are the old log-probs, and top-k / top-p "
+                             "truncation makes them log-probs of another distribution than the policy's; set "
+                             "sync.every=1 or rollout.top_k=-1 and rollout.top_p=1.0")
         self.reward_fns = self.task.reward_fns()
         for name in cfg.rewards.functions:
             if name not in self.reward_fns:
@@ -208,7 +215,7 @@ class Trainer:
                     advs.append(float(adv[i, j]))
                     ids.append((p.id, j))
                     cmask.append([float(m) for m in c.sampled_mask])  # forced tokens carry no gradient
-                    olps.append(c.logprobs)
+                    olps.append(c.logprobs if stale else None)
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             if self.world_size > 1:
                 # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
@@ -358,6 +365,14 @@ class Trainer:
                 logs.update({f"loss/{k}": v for k, v in st.extremes.items()})
         return logs
 
+    def sync_engine(self) -> None:
+        """Bring an engine that is behind the policy (sync.every > 1) up to date now, e.g.
+        before a held-out evaluation."""
+        if self._engine_stale:
+            with self._full_weights():
+                self.engine.update_weights(self.backend.module)
+            self._engine_stale = False
+
     def _sync(self):
         with self.timers.phase("sync"):
             if getattr(self.engine, "model", None) is self.backend.module:
@@ -483,6 +498,7 @@ class Trainer:
         if getattr(self.engine, "model", None) is not self.backend.module:
             with self._full_weights():
                 self.engine.update_weights(self.backend.module)
+        self._engine_stale = False
         return self.step_num
 
     def maybe_resume(self) -> Optional[str]:

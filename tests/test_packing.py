@@ -270,3 +270,19 @@ def test_min_micro_batches(backend, monkeypatch):
         P.build_packed_batches(prompts, comps, [0.0] * 30, budget, min_micro_batches=31)
     with pytest.raises(ValueError, match="min_micro_batches=0"):
         P.build_packed_batches(prompts, comps, [0.0] * 30, budget, min_micro_batches=0)
+
+
+def test_packed_batch_names_still_importable_from_packing():
+    """PackedBatch and its builders live in fastgrpo.packed; fastgrpo.packing re-exports them
+    (attribute, from-import and star import) and fastgrpo's top level maps them."""
+    import fastgrpo
+    import fastgrpo.packed as packed
+    import fastgrpo.packing as packing
+
+    ns = {}
+    exec("from fastgrpo.packing import *", ns)
+    for name in ("PackedBatch", "build_packed_batches", "unpack", "shares_prefix"):
+        assert getattr(packing, name) is getattr(packed, name) is ns[name]
+    assert fastgrpo.PackedBatch is packed.PackedBatch and fastgrpo.unpack is packed.unpack
+    with pytest.raises(AttributeError):
+        packing.no_such_name

@@ -47,6 +47,32 @@ def test_plan_keeps_groups_together():
     assert sorted(map(sorted, big)) == [[0, 1, 2], [3, 4, 5], [6]]
     with pytest.raises(ValueError, match="groups"):
         plan_micro_batches([1, 2], 10, groups=[0])
+    with pytest.raises(ValueError, match="sequence 3 has length 300"):  # the sequence, not its group
+        plan_micro_batches([5, 5, 5, 300], 100, groups=[0, 0, 1, 1])
+
+
+def test_plan_with_groups_when_another_rank_needs_more_micro_batches(monkeypatch):
+    """Ranks step together: when another rank needs more micro-batches, this rank balances its
+    units (whole groups) over that many by Karmarkar–Karp, or pads with empty ones."""
+    import fastgrpo.dist_plan as D
+
+    class FakeDist:
+        class ReduceOp:
+            MAX = "max"
+
+        @staticmethod
+        def all_reduce(t, op=None):
+            t.fill_(max(int(t.item()), 3))  # another rank needs 3 micro-batches
+
+    monkeypatch.setattr(D, "_world", lambda: 2)
+    monkeypatch.setattr(D, "dist", FakeDist)
+    lengths = [10, 12, 11, 9] * 3
+    keys = [0] * 4 + [1] * 4 + [2] * 4          # 3 groups of 42 tokens: one micro-batch here
+    plan = D.plan_micro_batches(lengths, 100, groups=keys)
+    assert len(plan) == 3 and sorted(i for b in plan for i in b) == list(range(12))
+    assert sorted(map(sorted, plan)) == [list(range(4 * q, 4 * q + 4)) for q in range(3)]  # a group each
+    plan = D.plan_micro_batches(lengths[:8], 100, groups=keys[:8])  # 2 groups for 3: FFD bins + empty ones
+    assert len(plan) == 3 and plan.count([]) == 2 and sorted(i for b in plan for i in b) == list(range(8))
 
 
 def test_plan_oversize_sequence():

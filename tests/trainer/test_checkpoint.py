@@ -91,6 +91,31 @@ def test_resave_killed_between_its_renames_loses_nothing(tmp_path):
     assert sorted(os.listdir(root)) == ["step-00000005", "step-00000006", "step-00000007"]
 
 
+def test_swapped_out_copy_with_a_reused_or_live_pid(tmp_path):
+    """A restarted process can get the pid of the one that died mid-swap, or an unrelated live
+    process can hold it: the swapped-out copy is listed either way; our own pid's copy is put
+    back at the next save, and re-saving that step twice in a row works."""
+    out = str(tmp_path)
+    root = ckpt.ckpt_root(out)
+    m = torch.nn.Linear(3, 3)
+    ckpt.save_checkpoint(out, 1, m, keep_last=3)
+    ckpt.save_checkpoint(out, 2, m, keep_last=3)
+    own = os.path.join(root, f"step-00000002.old-{os.getpid()}")
+    os.rename(os.path.join(root, "step-00000002"), own)
+    assert ckpt.latest_checkpoint(out) == own
+    ckpt.save_checkpoint(out, 3, m, keep_last=3)     # recovers our own pid's copy
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
+    ckpt.save_checkpoint(out, 3, m, keep_last=3)     # re-save twice: the name is cleared first
+    ckpt.save_checkpoint(out, 3, m, keep_last=3)
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
+    live = os.getppid()                               # a live process that is not us
+    other = os.path.join(root, f"step-00000003.old-{live}")
+    os.rename(os.path.join(root, "step-00000003"), other)
+    assert ckpt.latest_checkpoint(out) == other       # listed: it is the step's only copy
+    ckpt.save_checkpoint(out, 4, m, keep_last=5)      # not touched while its pid lives
+    assert os.path.isdir(other) and ckpt.list_checkpoints(out)[-2] == other
+
+
 def _weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.backend.module.state_dict().items()}
 

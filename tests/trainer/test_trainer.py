@@ -214,3 +214,17 @@ def test_engine_behind_the_policy_supplies_the_old_logprobs(cfg_factory):
     assert logs[0]["loss/ratio_max"] == pytest.approx(1.0) and logs[2]["loss/ratio_max"] == pytest.approx(1.0)
     assert abs(logs[1]["loss/ratio_max"] - 1.0) > 1e-4 or abs(logs[1]["loss/ratio_min"] - 1.0) > 1e-4
     t.close()
+
+
+def test_top_k_with_an_engine_behind_the_policy_is_refused(cfg_factory):
+    """Truncated sampling log-probs are not the policy's: with sync.every > 1 and an engine of
+    its own they cannot be the old log-probs, so the trainer refuses the combination, naming
+    the fields; the built-in engine on the trainer's module is never behind and is accepted."""
+    from fastgrpo.builders import build_model
+    from fastgrpo.rollout.torch_engine import TorchEngine
+
+    cfg = cfg_factory("sync.every=2", "rollout.top_k=5")
+    model, tok = build_model(cfg.model)
+    with pytest.raises(ValueError, match=r"sync.every=2 with rollout.top_k=5"):
+        Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
+    Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok), log=lambda m: None).close()
