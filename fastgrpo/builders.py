@@ -221,3 +221,15 @@ def score_groups(problems: Sequence, groups: Sequence, fns: Dict[str, Callable],
                     dropped.add(i)
         per_fn[name] = scores
     return per_fn, dropped, errors
+
+
+def check_sync_sampling(cfg, shares_module: bool) -> None:
+    """Between syncs (sync.every > 1) an engine with weights of its own is behind the policy and
+    its rollouts' log-probs are the old log-probs; top-k / top-p truncation would make them
+    log-probs of another distribution than the policy's, so that combination is refused."""
+    r = cfg.rollout
+    if cfg.sync.every > 1 and not shares_module and (0 < r.top_k or r.top_p < 1.0):
+        raise ValueError(f"sync.every={cfg.sync.every} with rollout.top_k={r.top_k} / rollout.top_p={r.top_p}: "
+                         "between syncs the rollout's own log-probs are the old log-probs, and top-k / top-p "
+                         "truncation makes them log-probs of another distribution than the policy's; set "
+                         "sync.every=1 or rollout.top_k=-1 and rollout.top_p=1.0")

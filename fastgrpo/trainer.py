@@ -44,7 +44,8 @@ from .config import TrainConfig
 from .metrics import MetricsLogger, Timers, rollout_metrics
 from .models import can_share_prefix, packing_attn_coef
 from .packed import build_packed_batches
-from .builders import build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task, sampling_config
+from .builders import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
+                       check_sync_sampling, sampling_config)
 
 
 def _zero_loss(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,13 +111,7 @@ class Trainer:
         self.nan_skips = 0
         self.reward_errors = 0
         self._prompt_ids: Dict[int, List[int]] = {}
-        r = cfg.rollout
-        if cfg.sync.every > 1 and getattr(self.engine, "model", None) is not self.backend.module and (
-                0 < r.top_k or r.top_p < 1.0):
-            raise ValueError(f"sync.every={cfg.sync.every} with rollout.top_k={r.top_k} / rollout.top_p={r.top_p}: "
-                             "between syncs the rollout's own log-probs are the old log-probs, and top-k / top-p "
-                             "truncation makes them log-probs of another distribution than the policy's; set "
-                             "sync.every=1 or rollout.top_k=-1 and rollout.top_p=1.0")
+        check_sync_sampling(cfg, shares_module=getattr(self.engine, "model", None) is self.backend.module)
         self.reward_fns = self.task.reward_fns()
         for name in cfg.rewards.functions:
             if name not in self.reward_fns:
