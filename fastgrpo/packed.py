@@ -246,19 +246,28 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
             max_seqlen=int(seq_lens.max()),
             mask=torch.from_numpy(mask),
             logit_index=torch.from_numpy(logit_index),
-            targets=_gather(comps, seqs, np.int64),
-            advantages=_gather(adv, seqs),
-            loss_mask=_gather(cmask if cmask is not None else [np.ones(c, np.float32) for c in comp_lens], seqs),
-            loss_cu_seqlens=loss_cu,
-            prompt_lens=torch.from_numpy(p_lens),
-            completion_lens=torch.from_numpy(c_lens),
-            seq_index=torch.tensor(seqs, dtype=torch.int64),
-            ids=[ids[i] for i in seqs],
-            old_logp=_gather(olp, seqs),
-            ref_logp=_gather(rlp, seqs),
-            weights=_gather(wts, seqs),
+            **_completion_space(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, ids),
         ))
     return batches
+
+
+def _completion_space(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, ids) -> dict:
+    """The completion-space and bookkeeping fields of a PackedBatch of sequences `seqs` (in
+    that order), the same for every layout."""
+    c_lens = np.array([comp_lens[i] for i in seqs], dtype=np.int64)
+    return dict(
+        targets=_gather(comps, seqs, np.int64),
+        advantages=_gather(adv, seqs),
+        loss_mask=_gather(cmask if cmask is not None else [np.ones(c, np.float32) for c in comp_lens], seqs),
+        loss_cu_seqlens=build_cu_seqlens(c_lens),
+        prompt_lens=torch.from_numpy(np.array([prompts[i].size for i in seqs], dtype=np.int64)),
+        completion_lens=torch.from_numpy(c_lens),
+        seq_index=torch.tensor(seqs, dtype=torch.int64),
+        ids=[ids[i] for i in seqs],
+        old_logp=_gather(olp, seqs),
+        ref_logp=_gather(rlp, seqs),
+        weights=_gather(wts, seqs),
+    )
 
 
 def shares_prefix(prompt_len: int, completion_lens: Sequence[int], attn_coef: float = DEFAULT_ATTN_COEF) -> bool:
@@ -320,8 +329,6 @@ def _shared_batch(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, id
             logit_index.append(np.concatenate([[start + p - 1], np.arange(t, t + c - 1, dtype=np.int64)]))
             mask_pos.append(np.arange(t, t + c, dtype=np.int64))
             t += c
-    p_lens = np.array([prompts[i].size for i in seqs], dtype=np.int64)
-    c_lens = np.array([comp_lens[i] for i in seqs], dtype=np.int64)
     seg = np.array(seg_lens, dtype=np.int64)
     pre = np.array(prefix, dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(t, dtype=bool)
@@ -335,18 +342,8 @@ def _shared_batch(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, id
         max_seqlen=int((seg + pre[:, 1]).max()),
         mask=torch.from_numpy(mask),
         logit_index=torch.from_numpy(li.astype(np.int64, copy=False)),
-        targets=_gather(comps, seqs, np.int64),
-        advantages=_gather(adv, seqs),
-        loss_mask=_gather(cmask if cmask is not None else [np.ones(c, np.float32) for c in comp_lens], seqs),
-        loss_cu_seqlens=build_cu_seqlens(c_lens),
-        prompt_lens=torch.from_numpy(p_lens),
-        completion_lens=torch.from_numpy(c_lens),
-        seq_index=torch.tensor(seqs, dtype=torch.int64),
-        ids=[ids[i] for i in seqs],
-        old_logp=_gather(olp, seqs),
-        ref_logp=_gather(rlp, seqs),
-        weights=_gather(wts, seqs),
         segment_prefix=torch.from_numpy(pre),
+        **_completion_space(seqs, prompts, comps, comp_lens, adv, olp, rlp, wts, cmask, ids),
     )
 
 
