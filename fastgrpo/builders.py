@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
+from .cpu_gemm import use_onednn_linears
 from .config import DataConfig, ModelConfig, OptimizerConfig, RewardsConfig, RolloutConfig
 from .rollout.vllm_engine import vllm_available
 
@@ -43,6 +44,8 @@ def build_model(mcfg: ModelConfig):
         tok = AutoTokenizer.from_pretrained(path)
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    # float32 CPU linears on oneDNN's AVX-512 GEMM where MKL would run AVX2 (fastgrpo.cpu_gemm)
+    use_onednn_linears(model)
     return model, tok
 
 

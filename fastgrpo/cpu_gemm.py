@@ -1,0 +1,122 @@
+"""float32 linear layers on CPU through oneDNN's GEMM where it beats the default BLAS.
+
+PyTorch's CPU `mm` / `addmm` for float32 call MKL's sgemm. MKL picks its code path by CPU
+vendor: on AMD CPUs with AVX-512 (Zen 4 / Zen 5, the CI machines) it runs its AVX2 kernels,
+about 105 GFLOP/s on one core, while oneDNN's JIT kernels (the library behind
+`torch.ops.mkldnn._linear_pointwise`, which inductor uses) run AVX-512 at about 220 GFLOP/s.
+Measured on one core of the CI machine (`python -m benchmarks.bench_cpu_gemm`), a
+[1726, 64] × [64, 128] linear: 261 → 127 µs forward, 262 → 132 µs for the input gradient,
+307 → 210 µs for the weight gradient. Below about 128 rows oneDNN's fixed cost loses (a
+64-row decode step: 12 vs 16 µs), so small products stay on `F.linear`.
+
+`FastLinear` is a drop-in `nn.Linear` (same parameters, state dict and class checks: it is a
+subclass) whose forward sends float32 CPU inputs of ≥ `MIN_ROWS` rows through `OneDNNLinear`,
+an autograd function whose three products (output, input gradient, weight gradient) all run on
+oneDNN; everything else (other dtypes, devices, small inputs, double backward) is
+`F.linear` as before. `use_onednn_linears(model)` swaps the class of a CPU model's `nn.Linear`
+modules in place; the trainer does so for float32 CPU models.
+
+Selection: `FASTGRPO_CPU_GEMM=auto` (default: oneDNN where the op exists and the CPU runs
+PyTorch's AVX-512 kernels), `onednn` (wherever the op exists), `mkl` / `off` (never). The
+rule is fixed per machine, not timed at run time, so a resumed run computes exactly what an
+uninterrupted one does. Both libraries sum in float32; results agree to float32 rounding
+(`tests/test_cpu_gemm.py` checks outputs and all gradients against `F.linear`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MIN_ROWS = 128  # oneDNN's per-call cost loses below this (measured: tie at 128 rows, 1.5× at 256)
+_MODES = ("auto", "onednn", "mkl", "off")
+
+
+@functools.lru_cache(maxsize=None)
+def _op_available() -> bool:
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        x = torch.ones(2, 3)
+        return bool(torch.equal(op(x, torch.ones(4, 3), None, "none", [], ""), torch.full((2, 4), 3.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_enabled() -> bool:
+    """Whether float32 CPU linears of ≥ MIN_ROWS rows go to oneDNN on this machine (see module doc)."""
+    mode = os.environ.get("FASTGRPO_CPU_GEMM", "auto").strip().lower()
+    if mode not in _MODES:
+        raise ValueError(f"FASTGRPO_CPU_GEMM={mode!r}: expected one of {', '.join(_MODES)}")
+    if mode in ("mkl", "off") or not _op_available():
+        return False
+    return mode == "onednn" or torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
+
+
+def _mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a @ b_t.T on oneDNN (a: [M, K], b_t: [N, K], any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b with the forward and both gradients on oneDNN. x: [M, K] float32 CPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm(g, weight.t().contiguous())  # g W: W^T is a small copy; oneDNN wants [N, K] dense
+        if ctx.needs_input_grad[1]:
+            gw = _mm(g.t(), x.t())  # g^T x, strided views (faster than contiguous copies)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """`F.linear`, through oneDNN for float32 CPU inputs of ≥ MIN_ROWS rows when enabled.
+    Falls back to `F.linear` under CPU autocast (which would cast to bf16) and for ZeRO-3
+    partitioned weights (DeepSpeed wraps F.linear for those)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if (rows < MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)
+            or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu") or not _enabled()):
+        return F.linear(x, weight, bias)
+    y = OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled() -> bool:
+    return onednn_enabled()
+
+
+class FastLinear(nn.Linear):
+    """`nn.Linear` whose large float32 CPU products run on oneDNN (see the module doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Swap every plain `nn.Linear` of `model` to `FastLinear` in place (parameters, hooks and
+    state dict untouched) when oneDNN is enabled on this machine; returns how many were swapped.
+    Subclasses of nn.Linear (quantised, LoRA, …) are left alone."""
+    if not _enabled():
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = FastLinear
+            n += 1
+    return n

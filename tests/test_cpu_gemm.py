@@ -1,0 +1,179 @@
+"""fastgrpo.cpu_gemm: float32 CPU linears on oneDNN. The oneDNN path must equal F.linear (output
+and every gradient) to float32 rounding, and every case it does not take must fall back to
+F.linear unchanged."""
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastgrpo import cpu_gemm
+from fastgrpo.cpu_gemm import MIN_ROWS, FastLinear, OneDNNLinear, linear, use_onednn_linears
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """Run with the oneDNN path on (`on=True`) or off, whatever this machine's default."""
+    def set_(on: bool):
+        monkeypatch.setattr(cpu_gemm, "_enabled", lambda: on)
+    return set_
+
+
+@pytest.fixture
+def count_apply(monkeypatch):
+    calls = []
+    real = OneDNNLinear.apply
+
+    def apply(*a):
+        calls.append(a[0].shape)
+        return real(*a)
+    monkeypatch.setattr(OneDNNLinear, "apply", apply)
+    return calls
+
+
+def _grads(fn, x, w, b, g):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    y = fn(x, w, b)
+    y.backward(g)
+    return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("rows,k,n,bias", [(128, 64, 128, True), (300, 64, 32, False), (1726, 128, 64, True),
+                                           (129, 17, 5, True)])
+def test_matches_f_linear_with_all_gradients(rows, k, n, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    g = torch.randn(rows, n, generator=gen)
+    ours = _grads(lambda x, w, b: OneDNNLinear.apply(x, w, b), x, w, b, g)
+    ref = _grads(F.linear, x.double(), w.double(), b.double() if bias else None, g.double())
+    for name, a, r in zip(("y", "dx", "dw", "db"), ours, ref):
+        if r is None:
+            assert a is None
+            continue
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-4 * (rows ** 0.5), msg=name)
+
+
+def test_only_the_inputs_that_need_grad_get_one():
+    x, w = torch.randn(200, 8), torch.randn(4, 8, requires_grad=True)
+    OneDNNLinear.apply(x, w, None).sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+    torch.testing.assert_close(w.grad, torch.ones(4, 200) @ x, rtol=1e-5, atol=1e-4)
+    x2, w2, b2 = torch.randn(200, 8, requires_grad=True), torch.randn(4, 8), torch.randn(4)
+    OneDNNLinear.apply(x2, w2, b2).sum().backward()
+    torch.testing.assert_close(x2.grad, torch.ones(200, 4) @ w2, rtol=1e-5, atol=1e-5)
+    assert w2.grad is None and b2.grad is None
+
+
+def test_linear_dispatch_3d_and_strided_inputs(force, count_apply):
+    force(True)
+    w, b = torch.randn(32, 16), torch.randn(32)
+    x = torch.randn(1, 400, 16)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(16, 400).t()  # non-contiguous rows
+    torch.testing.assert_close(linear(xt, w, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
+    assert len(count_apply) == 2 and count_apply[0] == (400, 16)
+
+
+@pytest.mark.parametrize("case", ["small", "bf16", "float64", "autocast", "zero3", "disabled", "empty"])
+def test_linear_falls_back_to_f_linear(case, force, count_apply, monkeypatch):
+    force(case != "disabled")
+    x, w = torch.randn(MIN_ROWS * 2, 16), torch.randn(8, 16)
+    if case == "small":
+        x = x[: MIN_ROWS - 1]
+    elif case == "bf16":
+        x, w = x.bfloat16(), w.bfloat16()
+    elif case == "float64":
+        x, w = x.double(), w.double()
+    elif case == "zero3":
+        w = nn.Parameter(w)
+        w.ds_id = 0  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    elif case == "empty":
+        x = x[:0]
+    if case == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(x, w)
+        assert y.dtype == torch.bfloat16  # autocast's cast kept
+    else:
+        y = linear(x, w)
+        torch.testing.assert_close(y, F.linear(x, w))
+    assert count_apply == []
+
+
+def test_nan_inputs_propagate_not_crash(force):
+    force(True)
+    x = torch.randn(256, 16)
+    x[3, 5] = float("nan")
+    y = linear(x, torch.randn(8, 16))
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(256) != 3]).all()
+
+
+def test_env_selection(monkeypatch):
+    monkeypatch.setenv("FASTGRPO_CPU_GEMM", "mkl")
+    assert not cpu_gemm.onednn_enabled()
+    monkeypatch.setenv("FASTGRPO_CPU_GEMM", "off")
+    assert not cpu_gemm.onednn_enabled()
+    monkeypatch.setenv("FASTGRPO_CPU_GEMM", "onednn")
+    assert cpu_gemm.onednn_enabled() == cpu_gemm._op_available()
+    assert cpu_gemm._op_available()  # every x86 CPU build of torch ships oneDNN
+    monkeypatch.setenv("FASTGRPO_CPU_GEMM", "fast please")
+    with pytest.raises(ValueError, match="FASTGRPO_CPU_GEMM"):
+        cpu_gemm.onednn_enabled()
+
+
+def _tiny(seed=0):
+    from fastgrpo.demo.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2", seed=seed, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)[0]
+
+
+def test_swapped_model_matches_and_keeps_its_identity(force):
+    force(True)
+    ref = _tiny()
+    model = copy.deepcopy(ref)
+    n = use_onednn_linears(model)
+    assert n == sum(type(m) is nn.Linear for m in ref.modules()) > 0
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    assert all(isinstance(m, nn.Linear) for m in model.modules() if isinstance(m, FastLinear))
+    assert list(model.state_dict()) == list(ref.state_dict())
+    ids = torch.randint(0, ref.config.vocab_size, (2, 100), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (model, ref):
+        m.zero_grad()
+        logits = m(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        outs.append((logits.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    for k in outs[1][1]:
+        torch.testing.assert_close(outs[0][1][k], outs[1][1][k], rtol=1e-4, atol=1e-5, msg=k)
+    # deepcopy / pickle keep the class (the reference model is a deepcopy of the policy)
+    assert type(copy.deepcopy(model).lm_head) is FastLinear
+    assert type(pickle.loads(pickle.dumps(model)).lm_head) is FastLinear
+
+
+def test_swap_leaves_subclasses_and_respects_disabled(force):
+    class Custom(nn.Linear):
+        pass
+
+    m = nn.Sequential(nn.Linear(4, 4), Custom(4, 4))
+    force(False)
+    assert use_onednn_linears(m) == 0 and type(m[0]) is nn.Linear
+    force(True)
+    assert use_onednn_linears(m) == 1 and type(m[0]) is FastLinear and type(m[1]) is Custom
+
+
+def test_build_model_uses_it_where_enabled(force):
+    from fastgrpo.builders import build_model
+    from fastgrpo.config import load_config
+
+    force(True)
+    model, _ = build_model(load_config().model)
+    assert type(model.lm_head) is FastLinear
+    force(False)
+    model, _ = build_model(load_config().model)
+    assert type(model.lm_head) is nn.Linear
