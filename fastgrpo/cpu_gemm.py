@@ -10,11 +10,20 @@ Measured on one core of the CI machine (`python -m benchmarks.bench_cpu_gemm`), 
 64-row decode step: 12 vs 16 µs), so small products stay on `F.linear`.
 
 `FastLinear` is a drop-in `nn.Linear` (same parameters, state dict and class checks: it is a
-subclass) whose forward sends float32 CPU inputs of ≥ `MIN_ROWS` rows through `OneDNNLinear`,
+subclass) whose forward sends float32 CPU inputs whose row count is on the ladder below through `OneDNNLinear`,
 an autograd function whose three products (output, input gradient, weight gradient) all run on
 oneDNN; everything else (other dtypes, devices, small inputs, double backward) is
-`F.linear` as before. `use_onednn_linears(model)` swaps the class of a CPU model's `nn.Linear`
-modules in place; the trainer does so for float32 CPU models.
+`F.linear` as before. `use_onednn_linears(model)` swaps the class of a model's `nn.Linear`
+modules in place (`fastgrpo.builders.build_model` does so for the models it builds);
+`restore_linears(model)` undoes it.
+
+oneDNN builds (JIT-compiles) a primitive per shape and caches it (1024 by default): a new row
+count costs 0.4 ms (forward) to 1.1 ms (weight gradient) once, twice the product itself. A
+packed batch has a new token count nearly every step, so oneDNN only takes row counts on a
+ladder (`padded_rows`: multiples of 128 up to 2048 rows, so at most 127 rows of padding, then
+16 steps per octave, so at most 6.25 %) and the packed forward (`fastgrpo.models`) pads its row to the ladder with tokens that
+attend nothing and are dropped; any other row count (a prefill, a decode step) stays on
+`F.linear`. A run meets a bounded set of shapes, each compiled once.
 
 Selection: `FASTGRPO_CPU_GEMM=auto` (default: oneDNN where the op exists and the CPU runs
 PyTorch's AVX-512 kernels), `onednn` (wherever the op exists), `mkl` / `off` (never). The
@@ -31,6 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# set on a model by use_onednn_linears: packed forwards then pad their row to the ladder
+ONEDNN_ATTR = "_fastgrpo_onednn_linears"
 MIN_ROWS = 128  # oneDNN's per-call cost loses below this (measured: tie at 128 rows, 1.5× at 256)
 _MODES = ("auto", "onednn", "mkl", "off")
 
@@ -83,12 +94,22 @@ class OneDNNLinear(torch.autograd.Function):
         return gx, gw, gb
 
 
+def padded_rows(rows: int) -> int:
+    """The smallest row count ≥ `rows` on oneDNN's shape ladder (see the module doc); `rows`
+    itself when oneDNN is off on this machine or `rows` < MIN_ROWS."""
+    if rows < MIN_ROWS or not _enabled():
+        return rows
+    step = max(MIN_ROWS, (1 << (rows.bit_length() - 1)) // 16)
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """`F.linear`, through oneDNN for float32 CPU inputs of ≥ MIN_ROWS rows when enabled.
+    """`F.linear`, through oneDNN for float32 CPU inputs whose row count is on the ladder
+    (`padded_rows(rows) == rows`, ≥ MIN_ROWS) when enabled.
     Falls back to `F.linear` under CPU autocast (which would cast to bf16) and for ZeRO-3
     partitioned weights (DeepSpeed wraps F.linear for those)."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (rows < MIN_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (rows < MIN_ROWS or rows != padded_rows(rows) or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)
             or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu") or not _enabled()):
         return F.linear(x, weight, bias)
@@ -119,4 +140,18 @@ def use_onednn_linears(model: nn.Module) -> int:
         if type(m) is nn.Linear:
             m.__class__ = FastLinear
             n += 1
+    if n:
+        setattr(model, ONEDNN_ATTR, True)
+    return n
+
+
+def restore_linears(model: nn.Module) -> int:
+    """Undo `use_onednn_linears`: every `FastLinear` back to `nn.Linear`; returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is FastLinear:
+            m.__class__ = nn.Linear
+            n += 1
+    if hasattr(model, ONEDNN_ATTR):
+        delattr(model, ONEDNN_ATTR)
     return n

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .cpu_gemm import ONEDNN_ATTR, padded_rows
 from .packed import PackedBatch
 
 VARLEN_ATTN = "fastgrpo_varlen_sdpa"
@@ -71,7 +72,8 @@ class _VarlenPlan:
     them (index_select's backward).
     """
 
-    __slots__ = ("cu", "version", "prefix", "prefix_version", "device", "width", "buckets", "unpad", "_bias")
+    __slots__ = ("cu", "version", "prefix", "prefix_version", "device", "width", "buckets", "unpad", "_bias",
+                 "_tail")
 
     def __init__(self, cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None):
         bounds = cu.tolist()
@@ -144,6 +146,20 @@ class _VarlenPlan:
         self.prefix = prefix
         self.prefix_version = prefix._version if prefix is not None else None
         self._bias = {}
+        self._tail = {}
+
+    def rows(self, t: int) -> torch.Tensor:
+        """The gather map from the buckets' output rows to `t` ≥ T token rows: the rows past
+        the last segment (the ladder padding of `fastgrpo.cpu_gemm`, which attends nothing)
+        read the zero row appended after the buckets' output."""
+        extra = t - self.unpad.numel()
+        if extra <= 0:
+            return self.unpad
+        out = self._tail.get(t)
+        if out is None:
+            zero_row = sum(n * lq for _, _, n, lq, _, _ in self.buckets)
+            out = self._tail[t] = torch.cat([self.unpad, self.unpad.new_full((extra,), zero_row)])
+        return out
 
     def bias(self, b: int, dtype, g: int = 0, hk: int = 0) -> torch.Tensor:
         """Additive mask (0 / -inf) of prefixed bucket `b`, built once per forward and shared by
@@ -230,6 +246,8 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     plan = _plan_for(cu, query.device, hq * d, kwargs.get(PREFIX_KWARG))
     if not plan.buckets:
         return query.new_zeros(1, T, hq, d), None
+    if T < plan.unpad.numel():
+        raise ValueError(f"cu_seq_lens_q ends at token {plan.unpad.numel()}, past the {T} query rows")
     p = dropout if module.training else 0.0
     hk = key.shape[1]
     gqa = hq != hk
@@ -256,8 +274,10 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=plan.bias(b, qb.dtype), dropout_p=p,
                                                scale=scaling, enable_gqa=gqa)
         outs.append(o.transpose(1, 2).reshape(n * Lq, hq, d))
+    if T > plan.unpad.numel():  # ladder padding past the last segment: attends nothing, output 0
+        outs.append(query.new_zeros(1, hq, d))
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return flat.index_select(0, plan.unpad)[None], None
+    return flat.index_select(0, plan.rows(T))[None], None
 
 
 def _varlen_mask(*args, **kwargs):
@@ -349,6 +369,14 @@ def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hid
         return model(**kw)
     enable_packed_attention(hf)
     cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
+    t = kw["input_ids"].shape[1]
+    tp = padded_rows(t) if getattr(hf, ONEDNN_ATTR, False) and device.type == "cpu" else t
+    if tp > t:
+        # float32 CPU linears run on oneDNN for row counts on its shape ladder (cpu_gemm): the row
+        # is padded to it with tokens past the last segment, which the varlen attention leaves
+        # out (output 0) and no caller reads (logits_to_keep < T; hidden states are cut to T)
+        kw["input_ids"] = F.pad(kw["input_ids"], (0, tp - t))
+        kw["position_ids"] = F.pad(kw["position_ids"], (0, tp - t))
     if shared:
         kw[PREFIX_KWARG] = batch.segment_prefix.cpu()
     token = _PACKED_CALL.set(True)
@@ -361,7 +389,7 @@ def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hid
 
 def packed_hidden_states(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
     """Last hidden states (after the final norm) of every packed token: `[T, H]`."""
-    return _run(model, batch, attn, keep=None, hidden=True).hidden_states[-1][0]
+    return _run(model, batch, attn, keep=None, hidden=True).hidden_states[-1][0, :batch.input_ids.numel()]
 
 
 def packed_forward(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:

@@ -72,19 +72,42 @@ def test_only_the_inputs_that_need_grad_get_one():
 def test_linear_dispatch_3d_and_strided_inputs(force, count_apply):
     force(True)
     w, b = torch.randn(32, 16), torch.randn(32)
-    x = torch.randn(1, 400, 16)
+    x = torch.randn(1, 384, 16)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    xt = torch.randn(16, 400).t()  # non-contiguous rows
+    xt = torch.randn(16, 384).t()  # non-contiguous rows
     torch.testing.assert_close(linear(xt, w, b), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
-    assert len(count_apply) == 2 and count_apply[0] == (400, 16)
+    assert len(count_apply) == 2 and count_apply[0] == (384, 16)
 
 
-@pytest.mark.parametrize("case", ["small", "bf16", "float64", "autocast", "zero3", "disabled", "empty"])
+def test_ladder_bounds_padding_and_shapes(force):
+    from fastgrpo.cpu_gemm import padded_rows
+
+    force(True)
+    seen = set()
+    for rows in range(1, 70000, 7):
+        p = padded_rows(rows)
+        assert p >= rows and padded_rows(p) == p  # idempotent: a padded row stays put
+        if rows < MIN_ROWS:
+            assert p == rows
+        elif rows < 2048:
+            assert p - rows < 128 and p % 128 == 0
+        else:
+            assert p - rows <= rows / 16
+        seen.add(p)
+    for k in range(7, 17):  # bounded shapes: at most 16 row counts per octave
+        assert len([p for p in seen if 2 ** k <= p < 2 ** (k + 1)]) <= 16, k
+    force(False)
+    assert padded_rows(1000) == 1000
+
+
+@pytest.mark.parametrize("case", ["small", "off-ladder", "bf16", "float64", "autocast", "zero3", "disabled", "empty"])
 def test_linear_falls_back_to_f_linear(case, force, count_apply, monkeypatch):
     force(case != "disabled")
     x, w = torch.randn(MIN_ROWS * 2, 16), torch.randn(8, 16)
     if case == "small":
         x = x[: MIN_ROWS - 1]
+    elif case == "off-ladder":  # a prefill, say: a new row count would build a new oneDNN primitive
+        x = x[: MIN_ROWS + 5]
     elif case == "bf16":
         x, w = x.bfloat16(), w.bfloat16()
     elif case == "float64":
@@ -177,3 +200,51 @@ def test_build_model_uses_it_where_enabled(force):
     force(False)
     model, _ = build_model(load_config().model)
     assert type(model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("share,checkpointing", [(False, False), (True, False), (True, True)])
+def test_packed_forward_pads_to_the_ladder_exactly(force, count_apply, share, checkpointing):
+    """A swapped model pads its packed row to the ladder (oneDNN shapes) and its log-probs, hidden
+    states and every gradient equal the plain model's, which does not pad."""
+    import random
+
+    from fastgrpo.cpu_gemm import padded_rows
+    from fastgrpo.models import packed_hidden_states, packed_logprobs
+    from fastgrpo.packing import build_packed_batches
+
+    force(True)
+    plain = _tiny()
+    fast = copy.deepcopy(plain)
+    use_onednn_linears(fast)
+    for m in (plain, fast):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rng = random.Random(0)
+    prompts, comps = [], []
+    for k in range(6):
+        p = [rng.randrange(3, 40) for _ in range(rng.randint(3, 15))]
+        for _ in range(4):
+            prompts.append(p)
+            comps.append([rng.randrange(3, 40) for _ in range(rng.choice([0, 1, 9, 30, 70]))])
+    batch = build_packed_batches(prompts, comps, [0.0] * len(prompts), 10 ** 6, group_size=4, share_prefix=share,
+                                 attn_coef=10 ** 6)[0]
+    t = batch.input_ids.numel()
+    assert padded_rows(t) > t, "the batch must need padding for this test"
+    assert (batch.segment_prefix is not None) == share
+    coef = torch.randn(batch.targets.numel(), generator=torch.Generator().manual_seed(3))
+    out = []
+    for m in (fast, plain):
+        m.zero_grad()
+        count_apply.clear()
+        lp = packed_logprobs(m, batch)
+        h = packed_hidden_states(m, batch)
+        ((lp * coef).sum() + h.square().mean()).backward()
+        out.append((lp.detach(), h.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}, list(count_apply)))
+    assert out[0][3] and all(s[0] == padded_rows(t) for s in out[0][3])  # fast: every big linear on oneDNN
+    assert out[1][3] == []
+    assert out[0][1].shape == out[1][1].shape == (t, 64)
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-5, atol=1e-5)
+    for k in out[1][2]:
+        torch.testing.assert_close(out[0][2][k], out[1][2][k], rtol=1e-4, atol=1e-5, msg=k)
