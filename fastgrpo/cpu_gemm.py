@@ -106,8 +106,11 @@ def padded_rows(rows: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """`F.linear`, through oneDNN for float32 CPU inputs whose row count is on the ladder
     (`padded_rows(rows) == rows`, ≥ MIN_ROWS) when enabled.
-    Falls back to `F.linear` under CPU autocast (which would cast to bf16) and for ZeRO-3
-    partitioned weights (DeepSpeed wraps F.linear for those)."""
+    Falls back to `F.linear` under CPU autocast (which would cast to bf16), for ZeRO-3
+    partitioned weights (DeepSpeed wraps F.linear for those) and inside `torch.compile` (the
+    compiler picks its own GEMMs)."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if (rows < MIN_ROWS or rows != padded_rows(rows) or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)

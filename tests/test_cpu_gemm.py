@@ -248,3 +248,16 @@ def test_packed_forward_pads_to_the_ladder_exactly(force, count_apply, share, ch
     torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-5, atol=1e-5)
     for k in out[1][2]:
         torch.testing.assert_close(out[0][2][k], out[1][2][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_torch_compile_traces_the_plain_path(force, count_apply):
+    """Inside torch.compile the compiler owns the GEMMs: FastLinear traces as F.linear."""
+    force(True)
+    m = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    use_onednn_linears(m)
+    x = torch.randn(256, 16)
+    eager = m(x)
+    count_apply.clear()
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-5)
+    assert count_apply == []
