@@ -6,7 +6,8 @@ A step is everything between two optimizer updates: sampling G completions for P
 rewards, advantages, the forward/backward of the loss, the optimizer. Both trainers generate
 with their own engine (fastgrpo: its built-in torch engine; TRL: `model.generate`, use_vllm=False),
 use AdamW, β = 0, one update per rollout batch (K = 1), temperature 1, no gradient
-accumulation. A randomly initialised model rarely earns a reward, so zero-σ groups are kept in
+accumulation (fastgrpo's packing budget holds the whole batch: one micro-batch, as TRL's one
+padded batch). A randomly initialised model rarely earns a reward, so zero-σ groups are kept in
 fastgrpo (algorithm.drop_zero_std=false) exactly as TRL keeps them: both do the full update.
 
 Side by side: each TRL step is followed by one fastgrpo step (a TRL callback), so both see
@@ -58,6 +59,11 @@ class FastgrpoStepper:
             "logging.progress=false", "checkpoint.at_end=false", "checkpoint.every=0", "checkpoint.resume=none",
         ])
         self.trainer = Trainer(cfg, log=lambda *_: None)
+        # one micro-batch per update, as TRL's side runs (per_device_train_batch_size = P·G, no
+        # gradient accumulation): a budget that holds every sequence at the cap
+        tok, task = self.trainer.tokenizer, self.trainer.task
+        longest = max(len(tok(p.prompt, add_special_tokens=False)["input_ids"]) for p in task.train)
+        self.trainer.cfg.packing.max_tokens = a.prompts * a.group * (longest + a.max_new_tokens)
         self.times, self.tokens, self.phases = [], [], {}
 
     def step(self, record: bool = True):

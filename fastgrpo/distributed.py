@@ -224,6 +224,12 @@ class DistributedBackend:
         if backend == "deepspeed":
             import deepspeed
 
+            if zero_stage == 3:
+                # ZeRO-3 partitions the weights and wraps F.linear for them: the oneDNN linears
+                # (fastgrpo.cpu_gemm) step aside, so the packed row's ladder padding would be waste
+                from .cpu_gemm import restore_linears
+
+                restore_linears(model)
             config = {
                 "train_micro_batch_size_per_gpu": 1,
                 # accumulation is driven by hand (set_gradient_accumulation_boundary), and the

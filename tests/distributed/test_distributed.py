@@ -107,6 +107,10 @@ def test_trainer_two_ranks_identical_weights(runs, stage):
     inner = 2 if stage == 3 else 1  # ZeRO-3 runs K = 2 inner steps per trainer step
     applied = (3 - poisoned) * inner
     assert r0["steps"] == r1["steps"] == applied, f"DeepSpeed applied {r0['steps']} steps, expected {applied}"
+    # oneDNN linears (fastgrpo.cpu_gemm) where enabled, except under ZeRO-3 (partitioned weights)
+    from fastgrpo.cpu_gemm import onednn_enabled
+
+    assert (r0["fast_linears"] > 0) == (onednn_enabled() and stage != 3)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
