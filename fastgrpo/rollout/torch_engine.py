@@ -45,7 +45,7 @@ def _compact_at(rows: int, small_step: bool = True) -> int:
     return max(1, rows // 4) if small_step else 1
 
 
-_DECODERS = ("auto", "hf")
+_DECODERS = ("auto", "lean", "hf")
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -71,8 +71,10 @@ class TorchEngine(RolloutEngine):
 
     max_batch_size: completions decoded together; num_threads: intra-op threads while decoding
     (None: 1 for small steps, see `_threads`; the process's setting is restored afterwards);
-    decoder: "auto" runs Qwen2 / Llama decode steps through `LeanStepper` (_decode.py) and any
-    other model through its HF module, "hf" always uses the HF module (the reference path).
+    decoder: "auto" runs Qwen2 / Llama decode steps through `LeanStepper` (_decode.py; its native
+    step, lean_step.cpp, for float32 on CPU where it builds) and any other model through its HF
+    module; "lean" is LeanStepper's Python step only; "hf" always uses the HF module (the
+    reference path).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, copy_model: bool = False,
@@ -84,7 +86,8 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"num_threads={num_threads!r}: expected an integer >= 1 or None (auto)")
         if decoder not in _DECODERS:
             raise ValueError(f"decoder={decoder!r}: expected one of {list(_DECODERS)} ('auto': the lean Qwen2/Llama "
-                             "decoder where supported, else the HF module; 'hf': always the HF module)")
+                             "decoder where supported, native where it builds, else the HF module; 'lean': its "
+                             "Python step; 'hf': always the HF module)")
         self.num_threads = num_threads
         self.decoder = decoder
         self.model = copy.deepcopy(model) if copy_model else model
@@ -173,8 +176,8 @@ class TorchEngine(RolloutEngine):
         B = len(prompt_ids)
         stop_t = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
         cache, logits, mask, next_pos = self._prefill(model, device, prompt_ids)
-        if self.decoder == "auto" and LeanStepper.supports(model):
-            stepper = LeanStepper(model, cache, mask, max_new_tokens)
+        if self.decoder != "hf" and LeanStepper.supports(model):
+            stepper = LeanStepper(model, cache, mask, max_new_tokens, native=self.decoder == "auto")
         else:
             stepper = HFStepper(model, cache, mask)
         noise = None

@@ -1,0 +1,83 @@
+"""The native decode step (lean_step.cpp), JIT-compiled on first use for this machine.
+
+`lean_step_module()` returns the compiled module, or None where it cannot be had (no C++
+compiler or ninja, a failed build, or `FASTGRPO_NATIVE_DECODE=0`); callers then take the Python
+step, which computes the same thing. The build (≈ 20 s on the 2-core machine, once) goes to
+`$FASTGRPO_EXT_DIR` (default `~/.cache/fastgrpo/ext`), in a folder named by a hash of the source,
+the torch and Python versions and the CPU's flags, because it is compiled with `-march=native`:
+a cache shared by different machines never hands one the other's binary. Concurrent builds
+(several ranks starting at once) are serialised by an `flock` on the build folder, which the
+kernel releases when its holder dies; a lock file left by a build killed midway (torch's own,
+which would make the next build wait forever) is removed under it.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from typing import Optional
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lean_step.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def enabled() -> bool:
+    v = os.environ.get("FASTGRPO_NATIVE_DECODE", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"FASTGRPO_NATIVE_DECODE={v!r}: expected 1 / 0 (on / off)")
+    return v in ("1", "true", "on")
+
+
+def build_dir() -> str:
+    """Where this machine's build of SOURCE lives (see the module doc)."""
+    import torch
+
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), sys.version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    root = os.environ.get("FASTGRPO_EXT_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastgrpo", "ext")
+    return os.path.join(root, f"lean_step_{key}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    from torch.utils.cpp_extension import load
+
+    try:
+        build = build_dir()
+        key = os.path.basename(build)[len("lean_step_"):]
+        os.makedirs(build, exist_ok=True)
+        with open(os.path.join(build, ".fastgrpo.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            stale = os.path.join(build, "lock")  # torch's baton, left by a build killed midway
+            if os.path.exists(stale):
+                os.remove(stale)
+            return load(name=f"fastgrpo_lean_step_{key}", sources=[SOURCE], build_directory=build,
+                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as e:  # noqa: BLE001 — any build failure means: use the Python step
+        msg = str(e).strip().splitlines()
+        warnings.warn(f"fastgrpo: the native decode step could not be built ({type(e).__name__}: "
+                      f"{msg[-1] if msg else ''}); the Python step is used", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def lean_step_module() -> Optional[object]:
+    """The compiled lean_step module, or None (see the module doc)."""
+    if not enabled():
+        return None
+    return _load()

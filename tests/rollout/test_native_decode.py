@@ -1,0 +1,145 @@
+"""The native decode step (fastgrpo/rollout/lean_step.cpp) against LeanStepper's Python step:
+same logits and caches step after step (Qwen2 with q/k/v biases, Llama without; GQA 2:1, 4:2 and
+none; left padding; rows dropped midway), same rollouts through the engine, and every way of
+not having it (switched off, more than one thread, a failed build) leaves the Python step."""
+import os
+import warnings
+
+import pytest
+import torch
+
+from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.rollout import SamplingConfig
+from fastgrpo.rollout import _native
+from fastgrpo.rollout._decode import LeanStepper
+from fastgrpo.rollout.torch_engine import TorchEngine
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_it_builds_here():
+    # the CI machine has a compiler: a silent fallback there would leave the native step untested
+    assert _native.lean_step_module() is not None
+
+
+def _model(arch, heads, kv_heads, head_dim, seed=0, hidden=64):
+    model, tok = build_tiny_model(arch, seed=seed, hidden_size=hidden, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=96)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for p in model.parameters():  # off the flat random init: varied, prompt-dependent logits
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval(), tok
+
+
+def _steppers(model, B=6, W=7, budget=20):
+    ids = torch.randint(3, 40, (B, W), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, W, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[3, :1] = 0
+    out = []
+    for native in (True, False):
+        res = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        out.append(LeanStepper(model, res.past_key_values, mask, budget, native=native))
+    return out, (mask.cumsum(-1)[:, -1]).clone()
+
+
+@pytest.mark.parametrize("arch,heads,kv,head_dim", [("qwen2", 2, 1, 32), ("llama", 4, 2, 16), ("qwen2", 2, 2, 32),
+                                                    ("llama", 1, 1, 64)])
+def test_native_step_equals_python_step(arch, heads, kv, head_dim):
+    """Both float32 steps against the Python step in float64: the native one is as close to it
+    as the Python one (they differ only in float32 rounding), step after step; same caches."""
+    import copy
+
+    model, _ = _model(arch, heads, kv, head_dim)
+    exact = copy.deepcopy(model).double()
+    with torch.inference_mode():
+        (nat, py), pos = _steppers(model)
+        ref = _steppers(exact)[0][1]
+        assert nat.native is not None and py.native is None and ref.native is None
+        gen = torch.Generator().manual_seed(2)
+        rows = torch.arange(6)
+        errs = []
+        for t in range(12):
+            ids = torch.randint(3, 40, (len(rows),), generator=gen)
+            a, b, r = nat.step(ids, pos, t), py.step(ids, pos, t), ref.step(ids, pos, t)
+            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == r.shape
+            err_nat, err_py = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
+            errs.append((err_nat, err_py))
+            for i in range(len(nat.k)):  # the caches (native keeps K transposed)
+                torch.testing.assert_close(nat.k[i].transpose(2, 3), py.k[i], rtol=1e-4, atol=5e-5)
+                torch.testing.assert_close(nat.v[i], py.v[i], rtol=1e-4, atol=5e-5)
+            pos = pos + 1
+            if t == 5:  # rows finish: all drop them
+                keep = torch.tensor([0, 2, 3, 5])
+                nat.select(keep), py.select(keep), ref.select(keep)
+                pos, rows = pos[keep], rows[keep]
+    # logits of magnitude ~10: both float32 steps are off the float64 one by ~1e-5, neither drifts
+    nat_err, py_err = sorted(e[0] for e in errs), sorted(e[1] for e in errs)
+    assert nat_err[-1] < 2e-4 and py_err[-1] < 2e-4
+    assert nat_err[len(errs) // 2] <= 2 * py_err[len(errs) // 2], errs
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_engine_rollouts_match_the_python_step(arch):
+    model, tok = _model(arch, 2, 1, 32, seed=3)
+    prompts = ["1+2=", "12*34-5=", "a", "(7+8)*9="]
+    sp = SamplingConfig(temperature=0.9, max_new_tokens=24, seed=5)
+    nat = TorchEngine(model, tok, decoder="auto").generate(prompts, 4, sp)
+    py = TorchEngine(model, tok, decoder="lean").generate(prompts, 4, sp)
+    for gn, gp in zip(nat, py):
+        for cn, cp in zip(gn, gp):
+            assert cn.token_ids == cp.token_ids
+            torch.testing.assert_close(torch.tensor(cn.logprobs), torch.tensor(cp.logprobs), rtol=0, atol=1e-4)
+
+
+def test_when_the_python_step_is_used(monkeypatch):
+    model, _ = _model("qwen2", 2, 1, 32)
+    with torch.inference_mode():
+        monkeypatch.setenv("FASTGRPO_NATIVE_DECODE", "0")
+        assert _steppers(model)[0][0].native is None
+        monkeypatch.setenv("FASTGRPO_NATIVE_DECODE", "1")
+        torch.set_num_threads(2)  # multi-threaded steps stay on MKL's threaded GEMMs
+        assert _steppers(model)[0][0].native is None
+        torch.set_num_threads(1)
+        assert _steppers(model)[0][0].native is not None
+        bf16 = _model("qwen2", 2, 1, 32)[0].to(torch.bfloat16)
+        assert _steppers(bf16)[0][0].native is None
+    monkeypatch.setenv("FASTGRPO_NATIVE_DECODE", "maybe")
+    with pytest.raises(ValueError, match="FASTGRPO_NATIVE_DECODE"):
+        _native.enabled()
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    bad = tmp_path / "lean_step.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(_native, "SOURCE", str(bad))
+    monkeypatch.setenv("FASTGRPO_EXT_DIR", str(tmp_path / "ext"))
+    _native._load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="native decode step could not be built"):
+            assert _native.lean_step_module() is None
+    finally:
+        _native._load.cache_clear()
+
+
+def test_a_stale_lock_from_a_killed_build_does_not_hang():
+    """torch's own build lock, left behind by a build killed midway, would make every later build
+    wait forever; the loader clears it under its own flock."""
+    assert _native.lean_step_module() is not None
+    lock = os.path.join(_native.build_dir(), "lock")
+    open(lock, "w").close()
+    _native._load.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _native.lean_step_module() is not None
+        assert not os.path.exists(lock)
+    finally:
+        _native._load.cache_clear()
