@@ -34,16 +34,16 @@ uninterrupted one does. Both libraries sum in float32; results agree to float32 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import env
+
 # set on a model by use_onednn_linears: packed forwards then pad their row to the ladder
 ONEDNN_ATTR = "_fastgrpo_onednn_linears"
 MIN_ROWS = 128  # oneDNN's per-call cost loses below this (measured: tie at 128 rows, 1.5× at 256)
-_MODES = ("auto", "onednn", "mkl", "off")
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,9 +58,7 @@ def _op_available() -> bool:
 
 def onednn_enabled() -> bool:
     """Whether float32 CPU linears of ≥ MIN_ROWS rows go to oneDNN on this machine (see module doc)."""
-    mode = os.environ.get("FASTGRPO_CPU_GEMM", "auto").strip().lower()
-    if mode not in _MODES:
-        raise ValueError(f"FASTGRPO_CPU_GEMM={mode!r}: expected one of {', '.join(_MODES)}")
+    mode = env.cpu_gemm()
     if mode in ("mkl", "off") or not _op_available():
         return False
     return mode == "onednn" or torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")

@@ -34,6 +34,29 @@ def disable_ext() -> bool:
     return _flag("FASTGRPO_DISABLE_EXT")
 
 
+def native_decode() -> bool:
+    """FASTGRPO_NATIVE_DECODE=0: the built-in engine keeps LeanStepper's Python step instead of
+    the JIT-built native one (fastgrpo/rollout/lean_step.cpp; default on)."""
+    return _flag("FASTGRPO_NATIVE_DECODE", True)
+
+
+def ext_dir() -> str:
+    """FASTGRPO_EXT_DIR: where JIT-built extensions go (default ~/.cache/fastgrpo/ext)."""
+    return os.environ.get("FASTGRPO_EXT_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastgrpo", "ext")
+
+
+_CPU_GEMM_MODES = ("auto", "onednn", "mkl", "off")
+
+
+def cpu_gemm() -> str:
+    """FASTGRPO_CPU_GEMM: float32 CPU linears on oneDNN — auto (default: where PyTorch runs
+    AVX-512 kernels), onednn (wherever the op exists), mkl / off (never); see fastgrpo.cpu_gemm."""
+    raw = (os.environ.get("FASTGRPO_CPU_GEMM") or "auto").strip().lower()
+    if raw not in _CPU_GEMM_MODES:
+        raise ValueError(f"FASTGRPO_CPU_GEMM={raw!r}: expected one of {', '.join(_CPU_GEMM_MODES)}")
+    return raw
+
+
 def check_finite() -> bool:
     """FASTGRPO_CHECK_FINITE=0 turns off the NaN/Inf check on logits (default on)."""
     return _flag("FASTGRPO_CHECK_FINITE", True)

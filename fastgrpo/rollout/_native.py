@@ -21,6 +21,8 @@ import sys
 import warnings
 from typing import Optional
 
+from .. import env
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lean_step.cpp")
 
 
@@ -36,10 +38,7 @@ def _cpu_flags() -> str:
 
 
 def enabled() -> bool:
-    v = os.environ.get("FASTGRPO_NATIVE_DECODE", "1").strip().lower()
-    if v not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"FASTGRPO_NATIVE_DECODE={v!r}: expected 1 / 0 (on / off)")
-    return v in ("1", "true", "on")
+    return env.native_decode()
 
 
 def build_dir() -> str:
@@ -50,8 +49,7 @@ def build_dir() -> str:
         src = f.read()
     key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), sys.version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    root = os.environ.get("FASTGRPO_EXT_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastgrpo", "ext")
-    return os.path.join(root, f"lean_step_{key}")
+    return os.path.join(env.ext_dir(), f"lean_step_{key}")
 
 
 @functools.lru_cache(maxsize=None)
