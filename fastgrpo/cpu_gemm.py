@@ -9,6 +9,9 @@ Measured on one core of the CI machine (`python -m benchmarks.bench_cpu_gemm`), 
 307 → 210 µs for the weight gradient. Below about 128 rows oneDNN's fixed cost loses (a
 64-row decode step: 12 vs 16 µs), so small products stay on `F.linear`.
 
+The op is the one inductor's CPU backend emits for linears (`mkldnn._linear_pointwise`); the
+departure is calling it in eager mode for float32 training, with our own backward.
+
 `FastLinear` is a drop-in `nn.Linear` (same parameters, state dict and class checks: it is a
 subclass) whose forward sends float32 CPU inputs whose row count is on the ladder below through `OneDNNLinear`,
 an autograd function whose three products (output, input gradient, weight gradient) all run on

@@ -14,7 +14,9 @@
 //   - RMSNorm in one pass per row; the exponentials (softmax, SiLU) stay ATen calls, whose exp
 //     is vectorised.
 // JIT-compiled by fastgrpo/rollout/_native.py (torch.utils.cpp_extension) on first use; the
-// Python step is the fallback and the reference (tests compare the two).
+// Python step is the fallback and the reference (tests compare the two). The math follows
+// transformers' modeling_qwen2 / modeling_llama as the Python step does; it departs only in
+// float32 summation order (GEMMs accumulate over k in order, dot products in SIMD lanes).
 #include <torch/extension.h>
 
 #include <cmath>
