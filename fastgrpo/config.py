@@ -152,7 +152,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # checkpoint every N steps (0 = only at the end)
+    every: int = 0  # checkpoint every N steps (0 = only at the end); with sync.every > 1 at the first synced step from there
     keep_last: int = 2  # checkpoints kept (the newest complete one is never deleted)
     resume: str = "auto"  # auto (latest in out_dir) | none | a checkpoint directory
     at_end: bool = True  # write a checkpoint when the run ends

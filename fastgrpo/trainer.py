@@ -107,6 +107,7 @@ class Trainer(CheckpointMixin):
         # the engine holds weights older than the policy (sync.every > 1, between syncs): its
         # rollouts are then off-policy and their own sampling log-probs are the old log-probs
         self._engine_stale = False
+        self._save_pending = False  # a periodic checkpoint due while the engine was stale
         self.nan_skips = 0
         self.reward_errors = 0
         self._prompt_ids: Dict[int, List[int]] = {}
@@ -421,7 +422,12 @@ class Trainer(CheckpointMixin):
         if hasattr(self.curriculum, "metrics"):
             logs.update(self.curriculum.metrics())
         if cfg.checkpoint.every and self.step_num % cfg.checkpoint.every == 0:
+            self._save_pending = True
+        # a checkpoint waits for a step whose engine holds the policy's weights (sync.every > 1):
+        # a resumed run then samples from the same weights as an uninterrupted one
+        if self._save_pending and not self._engine_stale:
             self.save()
+            self._save_pending = False
         logs.update(self.timers.pop())
         dt = time.perf_counter() - t0
         logs["timing/step"] = dt

@@ -45,7 +45,8 @@ class CheckpointMixin:
                                         None if ds else self.backend.optimizer,
                                         None if ds else self.backend.lr_scheduler, self.curriculum,
                                         tokenizer=self.tokenizer,
-                                        extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors},
+                                        extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors,
+                                               "engine_stale": bool(self._engine_stale)},
                                         keep_last=self.cfg.checkpoint.keep_last, model_state=state,
                                         shards=shards if multi else None, tmp=tmp)
             if multi:
@@ -72,7 +73,15 @@ class CheckpointMixin:
         if getattr(self.engine, "model", None) is not self.backend.module:
             with self._full_weights():
                 self.engine.update_weights(self.backend.module)
+            if state["extra"].get("engine_stale"):
+                # saved explicitly (save() / the end of a run) between two syncs: the engine of the
+                # saved run held older weights than it gets now. Periodic checkpoints wait for a
+                # synced step, so resuming from one of those continues exactly.
+                self.log(f"resume {path}: saved while the rollout engine was behind the policy "
+                         f"(sync.every={self.cfg.sync.every}); the engine now gets the checkpoint's weights, "
+                         "so rollouts until the next sync differ from the uninterrupted run's")
         self._engine_stale = False
+        self._save_pending = False
         return self.step_num
 
     def maybe_resume(self) -> Optional[str]:

@@ -167,3 +167,51 @@ def test_resume_from_a_checkpoint_with_sharded_weights(tmp_path):
     want = model.state_dict()
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_resume_with_an_engine_behind_the_policy_continues_exactly(cfg_factory, tmp_path):
+    """sync.every = 2 with an engine of its own (a copy): a periodic checkpoint due at a step
+    whose engine is behind waits for the next synced step, so a run killed at step 3 resumes from
+    step 2 and ends with the weights of an uninterrupted run; an explicit save while stale is
+    marked and reported at resume."""
+    from fastgrpo.builders import build_model
+    from fastgrpo.checkpoint import list_checkpoints
+    from fastgrpo.rollout.torch_engine import TorchEngine
+
+    def make(out, *extra):
+        cfg = cfg_factory("steps=5", "sync.every=2", "checkpoint.every=1", "checkpoint.keep_last=5",
+                          "optimizer.lr=0.05", f"logging.out_dir={tmp_path / out}", *extra)
+        model, tok = build_model(cfg.model)
+        msgs = []
+        t = Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True),
+                    log=msgs.append)
+        return t, msgs
+
+    a, _ = make("a")
+    a.train()
+    wa = _weights(a)
+    steps = sorted(int(p.rsplit("-", 1)[1]) for p in list_checkpoints(str(tmp_path / "a")))
+    a.close()
+    assert steps == [2, 4]  # due at every step; 1, 3 and 5 ended behind the policy
+
+    b, _ = make("b")
+    for _ in range(3):
+        b.step()  # "killed" after step 3: its due checkpoint was still waiting for a sync
+    b.close()
+    c, msgs = make("b")
+    assert c.maybe_resume().endswith("step-00000002") and c.step_num == 2
+    c.train()
+    wc = _weights(c)
+    c.close()
+    for k in wa:
+        assert torch.equal(wa[k], wc[k]), f"{k} differs between the uninterrupted and the resumed run"
+    assert not any("behind the policy" in m for m in msgs)
+
+    d, _ = make("d")
+    d.step()
+    stale_path = d.save()  # explicit save between two syncs
+    d.close()
+    e, msgs = make("d")
+    assert e.maybe_resume() == stale_path
+    assert any("behind the policy" in m for m in msgs)
+    e.close()
