@@ -13,23 +13,26 @@ The op is the one inductor's CPU backend emits for linears (`mkldnn._linear_poin
 departure is calling it in eager mode for float32 training, with our own backward.
 
 `FastLinear` is a drop-in `nn.Linear` (same parameters, state dict and class checks: it is a
-subclass) whose forward sends float32 CPU inputs whose row count is on the ladder below through `OneDNNLinear`,
-an autograd function whose three products (output, input gradient, weight gradient) all run on
-oneDNN; everything else (other dtypes, devices, small inputs, double backward) is
-`F.linear` as before. `use_onednn_linears(model)` swaps the class of a model's `nn.Linear`
-modules in place (`fastgrpo.builders.build_model` does so for the models it builds);
-`restore_linears(model)` undoes it.
+subclass) whose forward sends float32 CPU inputs whose row count is on the ladder below through
+`OneDNNLinear`, an autograd function whose three products (output, input gradient, weight
+gradient) all run on oneDNN (a double backward, `create_graph=True`, differentiates plain torch
+products); everything else (other dtypes, devices, row counts off the ladder) is `F.linear` as
+before. `use_onednn_linears(model)` swaps the class of a float32 model's `nn.Linear` modules in
+place (`fastgrpo.builders.build_model` does so for the models it builds); `restore_linears(model)`
+undoes it.
 
 oneDNN builds (JIT-compiles) a primitive per shape and caches it (1024 by default): a new row
 count costs 0.4 ms (forward) to 1.1 ms (weight gradient) once, twice the product itself. A
 packed batch has a new token count nearly every step, so oneDNN only takes row counts on a
-ladder (`padded_rows`: multiples of 128 up to 2048 rows, so at most 127 rows of padding, then
-16 steps per octave, so at most 6.25 %) and the packed forward (`fastgrpo.models`) pads its row to the ladder with tokens that
-attend nothing and are dropped; any other row count (a prefill, a decode step) stays on
-`F.linear`. A run meets a bounded set of shapes, each compiled once.
+ladder (`padded_rows`: multiples of 64 up to 1024 rows, so at most 63 rows of padding, then 16
+steps per octave, so at most 6.25 %) and the packed forward of a float32 model
+(`fastgrpo.models`) pads its row to the ladder with tokens that attend nothing and are dropped;
+any other row count (a prefill, a decode step) stays on `F.linear`. A run meets a bounded set of
+shapes, each compiled once.
 
-Selection: `FASTGRPO_CPU_GEMM=auto` (default: oneDNN where the op exists and the CPU runs
-PyTorch's AVX-512 kernels), `onednn` (wherever the op exists), `mkl` / `off` (never). The
+Selection: `FASTGRPO_CPU_GEMM=auto` (default: oneDNN on AMD CPUs where PyTorch runs its
+AVX-512 kernels; on Intel, MKL already runs AVX-512), `onednn` (wherever the op exists), `mkl` /
+`off` (never). The
 rule is fixed per machine, not timed at run time, so a resumed run computes exactly what an
 uninterrupted one does. Both libraries sum in float32; results agree to float32 rounding
 (`tests/test_cpu_gemm.py` checks outputs and all gradients against `F.linear`).
@@ -47,6 +50,7 @@ from . import env
 # set on a model by use_onednn_linears: packed forwards then pad their row to the ladder
 ONEDNN_ATTR = "_fastgrpo_onednn_linears"
 MIN_ROWS = 128  # oneDNN's per-call cost loses below this (measured: tie at 128 rows, 1.5× at 256)
+_MIN_STEP = 64  # the ladder's finest step (below 1024 rows), so a 129-token row pads to 192, not 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,12 +63,27 @@ def _op_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def onednn_enabled() -> bool:
-    """Whether float32 CPU linears of ≥ MIN_ROWS rows go to oneDNN on this machine (see module doc)."""
+    """Whether float32 CPU linears on the ladder go to oneDNN on this machine (see module doc):
+    `auto` takes AMD CPUs with AVX-512 (where MKL runs AVX2: the measured case); on Intel MKL
+    already runs AVX-512, so the ladder padding would buy nothing measured."""
     mode = env.cpu_gemm()
     if mode in ("mkl", "off") or not _op_available():
         return False
-    return mode == "onednn" or torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
+    return mode == "onednn" or (torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
+                                and _cpu_vendor() == "AuthenticAMD")
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -82,14 +101,22 @@ class OneDNNLinear(torch.autograd.Function):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _mm(g, weight.t().contiguous())  # g W: W^T is a small copy; oneDNN wants [N, K] dense
-        if ctx.needs_input_grad[1]:
-            gw = _mm(g.t(), x.t())  # g^T x, strided views (faster than contiguous copies)
+        if torch.is_grad_enabled():
+            # double backward (create_graph=True): the same products as differentiable torch ops
+            if ctx.needs_input_grad[0]:
+                gx = g @ weight
+            if ctx.needs_input_grad[1]:
+                gw = g.t() @ x
+        else:
+            # strided views, no copies (measured faster than making W^T or x^T dense first:
+            # 123 vs 133 µs at [1726, 64]·[64, 128]; 36 vs 40 ms at [1024, 896]·[896, 4864])
+            if ctx.needs_input_grad[0]:
+                gx = _mm(g, weight.t())  # g W
+            if ctx.needs_input_grad[1]:
+                gw = _mm(g.t(), x.t())  # g^T x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb
@@ -100,7 +127,7 @@ def padded_rows(rows: int) -> int:
     itself when oneDNN is off on this machine or `rows` < MIN_ROWS."""
     if rows < MIN_ROWS or not _enabled():
         return rows
-    step = max(MIN_ROWS, (1 << (rows.bit_length() - 1)) // 16)
+    step = max(_MIN_STEP, (1 << (rows.bit_length() - 1)) // 16)
     return -(-rows // step) * step
 
 
@@ -113,10 +140,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (rows < MIN_ROWS or rows != padded_rows(rows) or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)
+    if (rows < MIN_ROWS or rows != padded_rows(rows) or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)
             or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu") or not _enabled()):
         return F.linear(x, weight, bias)
+    if bias is not None:
+        bias = bias.contiguous()  # oneDNN reads the bias as dense memory whatever its strides
     y = OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -141,7 +170,7 @@ def use_onednn_linears(model: nn.Module) -> int:
         return 0
     n = 0
     for m in model.modules():
-        if type(m) is nn.Linear:
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32:
             m.__class__ = FastLinear
             n += 1
     if n:

@@ -49,8 +49,8 @@ _CPU_GEMM_MODES = ("auto", "onednn", "mkl", "off")
 
 
 def cpu_gemm() -> str:
-    """FASTGRPO_CPU_GEMM: float32 CPU linears on oneDNN — auto (default: where PyTorch runs
-    AVX-512 kernels), onednn (wherever the op exists), mkl / off (never); see fastgrpo.cpu_gemm."""
+    """FASTGRPO_CPU_GEMM: float32 CPU linears on oneDNN — auto (default: AMD CPUs where PyTorch
+    runs AVX-512 kernels), onednn (wherever the op exists), mkl / off (never); see fastgrpo.cpu_gemm."""
     raw = (os.environ.get("FASTGRPO_CPU_GEMM") or "auto").strip().lower()
     if raw not in _CPU_GEMM_MODES:
         raise ValueError(f"FASTGRPO_CPU_GEMM={raw!r}: expected one of {', '.join(_CPU_GEMM_MODES)}")

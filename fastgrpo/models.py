@@ -13,9 +13,9 @@ sequence, and attention must not cross sequence boundaries:
   `AttentionInterface`: given the same `cu_seq_lens_q` kwarg as flash-attn it runs causal SDPA
   per sequence, sequences of similar length gathered into one right-padded SDPA call (exact
   under the causal mask, see `_VarlenPlan`) — O(Σ L²) work plus bounded padding, no T×T mask;
-  called without it (an ordinary padded forward, `generate`) it is plain SDPA with SDPA's mask. The switch is not undone after the
-  call on purpose: with gradient checkpointing the layers run again during backward, and they
-  must dispatch the same way then. `attn="mask"` instead relies on transformers' own
+  called without it (an ordinary padded forward, `generate`) it is plain SDPA with SDPA's mask.
+  The switch is not undone after the call on purpose: with gradient checkpointing the layers run
+  again during backward, and they must dispatch the same way then. `attn="mask"` instead relies on transformers' own
   packed-sequence detection (`masking_utils.find_packed_sequence_indices`: a position that does
   not follow its predecessor by 1 starts a sequence), which builds a T×T block-diagonal causal
   mask; that detection is skipped whenever a KV cache exists, hence `use_cache=False` on every
@@ -41,6 +41,8 @@ VARLEN_ATTN = "fastgrpo_varlen_sdpa"
 # The forward kwarg carrying `PackedBatch.segment_prefix` to the varlen attention (through the
 # model's **kwargs, like cu_seq_lens_q, so a checkpointed recomputation receives it too).
 PREFIX_KWARG = "fastgrpo_segment_prefix"
+# The forward kwarg carrying how many ladder-padding rows follow the last segment (cpu_gemm)
+PAD_KWARG = "fastgrpo_pad_rows"
 _FLASH_PREFIXES = ("flash_attention", "kernels-community/flash", "kernels-community/vllm-flash")
 _SWITCHABLE = ("sdpa", "eager", VARLEN_ATTN)
 # Set while _run runs the model: the mask builder then returns no mask (the
@@ -244,10 +246,11 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
     _, hq, T, d = query.shape
     plan = _plan_for(cu, query.device, hq * d, kwargs.get(PREFIX_KWARG))
+    if T != plan.unpad.numel() + kwargs.get(PAD_KWARG, 0):
+        raise ValueError(f"cu_seq_lens_q ends at token {plan.unpad.numel()} but the query has {T} rows "
+                         f"({kwargs.get(PAD_KWARG, 0)} of them ladder padding): they must agree")
     if not plan.buckets:
         return query.new_zeros(1, T, hq, d), None
-    if T < plan.unpad.numel():
-        raise ValueError(f"cu_seq_lens_q ends at token {plan.unpad.numel()}, past the {T} query rows")
     p = dropout if module.training else 0.0
     hk = key.shape[1]
     gqa = hq != hk
@@ -370,13 +373,17 @@ def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hid
     enable_packed_attention(hf)
     cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
     t = kw["input_ids"].shape[1]
-    tp = padded_rows(t) if getattr(hf, ONEDNN_ATTR, False) and device.type == "cpu" else t
+    # (the dtype is read here, not at the swap: a model may be cast after build_model)
+    onednn = (getattr(hf, ONEDNN_ATTR, False) and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+              and hf.get_input_embeddings().weight.dtype == torch.float32)
+    tp = padded_rows(t) if onednn else t
     if tp > t:
         # float32 CPU linears run on oneDNN for row counts on its shape ladder (cpu_gemm): the row
         # is padded to it with tokens past the last segment, which the varlen attention leaves
         # out (output 0) and no caller reads (logits_to_keep < T; hidden states are cut to T)
         kw["input_ids"] = F.pad(kw["input_ids"], (0, tp - t))
         kw["position_ids"] = F.pad(kw["position_ids"], (0, tp - t))
+        kw[PAD_KWARG] = tp - t
     if shared:
         kw[PREFIX_KWARG] = batch.segment_prefix.cpu()
     token = _PACKED_CALL.set(True)

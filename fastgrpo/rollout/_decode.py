@@ -190,7 +190,8 @@ class LeanStepper:
             self._flat = [empty if t is None else (t.t().contiguous() if j in (2, 4, 6, 8) else t.contiguous())
                           for layer in self.layers for j, t in enumerate(layer)]
             self._norm_w, self._lm_wt = self.norm_w.contiguous(), self.lm_head.weight.t().contiguous()
-            self._lm_b = self.lm_head.bias if self.lm_head.bias is not None else empty
+            self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else empty
+            self.layers = []  # the Python step's concatenated weights: not needed, not kept
         # additive attention bias over the static cache: -inf on left padding, 0 elsewhere
         self.bias = torch.zeros((B, size), dtype=dtype, device=mask.device)
         self.bias[:, :width].masked_fill_(mask == 0, float("-inf"))

@@ -12,17 +12,19 @@ which would make the next build wait forever) is removed under it.
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from typing import Optional
 
 from .. import env
 
+# a concurrent build takes ~20 s; past this the waiting process warns and takes the Python step
+LOCK_TIMEOUT_S = 300
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lean_step.cpp")
 
 
@@ -59,9 +61,19 @@ def _load():
     try:
         build = build_dir()
         key = os.path.basename(build)[len("lean_step_"):]
+        import fcntl  # POSIX; elsewhere the ImportError means: the Python step
+
         os.makedirs(build, exist_ok=True)
         with open(os.path.join(build, ".fastgrpo.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_TIMEOUT_S
+            while True:  # a holder that is stuck must not hang every other rank
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{build} is locked by another build for over {LOCK_TIMEOUT_S} s")
+                    time.sleep(0.2)
             stale = os.path.join(build, "lock")  # torch's baton, left by a build killed midway
             if os.path.exists(stale):
                 os.remove(stale)

@@ -143,3 +143,52 @@ def test_a_stale_lock_from_a_killed_build_does_not_hang():
         assert not os.path.exists(lock)
     finally:
         _native._load.cache_clear()
+
+
+def test_large_vocabulary_takes_the_library_gemm_and_agrees():
+    """An lm_head past an L2's worth of floats goes to at::mm inside the native step (the blocked
+    loop would stream it once per 4 rows): same logits as the Python step."""
+    model, _ = build_tiny_model("qwen2", seed=1, vocab_size=6000, hidden_size=64, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32)
+    model.eval()
+    assert model.lm_head.weight.numel() > 1 << 18
+    with torch.inference_mode():
+        (nat, py), pos = _steppers(model)
+        ids = torch.randint(3, 40, (6,), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(nat.step(ids, pos, 0), py.step(ids, pos, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_native_step_refuses_bad_layouts():
+    """The loops index raw memory: a cache that is not the contiguous layout they expect, or a
+    position past the RoPE table, is an error, not a stray read."""
+    model, _ = _model("qwen2", 2, 1, 32)
+    with torch.inference_mode():
+        (nat, _), pos = _steppers(model)
+        ids = torch.randint(3, 40, (6,))
+        good_k = nat.k[0]
+        nat.k[0] = good_k.transpose(2, 3)  # the Python layout, not the native one
+        with pytest.raises(RuntimeError, match="caches must be contiguous"):
+            nat.step(ids, pos, 0)
+        nat.k[0] = good_k
+        with pytest.raises(RuntimeError, match="outside the RoPE table"):
+            nat.step(ids, pos + 10_000, 0)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            nat.step(ids, pos, 10_000)
+        assert torch.isfinite(nat.step(ids, pos, 0)).all()
+
+
+def test_a_held_build_lock_times_out_into_the_python_step(monkeypatch):
+    """Another process stuck holding the build lock: the wait ends with a warning and the
+    Python step, never a hang."""
+    import fcntl
+
+    assert _native.lean_step_module() is not None
+    monkeypatch.setattr(_native, "LOCK_TIMEOUT_S", 0.5)
+    with open(os.path.join(_native.build_dir(), ".fastgrpo.lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: conflicts like another process
+        _native._load.cache_clear()
+        try:
+            with pytest.warns(RuntimeWarning, match="locked by another build"):
+                assert _native.lean_step_module() is None
+        finally:
+            _native._load.cache_clear()
