@@ -116,33 +116,33 @@ def test_when_the_python_step_is_used(monkeypatch):
         _native.enabled()
 
 
-def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+@pytest.fixture
+def reload_native():
+    """`lean_step_module()` loads afresh inside the test, and the cached module is back after."""
+    assert _native.lean_step_module() is not None
+    _native._load.cache_clear()
+    yield
+    _native._load.cache_clear()
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path, reload_native):
     bad = tmp_path / "lean_step.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(_native, "SOURCE", str(bad))
     monkeypatch.setenv("FASTGRPO_EXT_DIR", str(tmp_path / "ext"))
-    _native._load.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="native decode step could not be built"):
-            assert _native.lean_step_module() is None
-    finally:
-        _native._load.cache_clear()
+    with pytest.warns(RuntimeWarning, match="native decode step could not be built"):
+        assert _native.lean_step_module() is None
 
 
-def test_a_stale_lock_from_a_killed_build_does_not_hang():
+def test_a_stale_lock_from_a_killed_build_does_not_hang(reload_native):
     """torch's own build lock, left behind by a build killed midway, would make every later build
     wait forever; the loader clears it under its own flock."""
-    assert _native.lean_step_module() is not None
     lock = os.path.join(_native.build_dir(), "lock")
     open(lock, "w").close()
-    _native._load.cache_clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert _native.lean_step_module() is not None
-        assert not os.path.exists(lock)
-    finally:
-        _native._load.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _native.lean_step_module() is not None
+    assert not os.path.exists(lock)
 
 
 def test_large_vocabulary_takes_the_library_gemm_and_agrees():
@@ -177,18 +177,13 @@ def test_native_step_refuses_bad_layouts():
         assert torch.isfinite(nat.step(ids, pos, 0)).all()
 
 
-def test_a_held_build_lock_times_out_into_the_python_step(monkeypatch):
+def test_a_held_build_lock_times_out_into_the_python_step(monkeypatch, reload_native):
     """Another process stuck holding the build lock: the wait ends with a warning and the
     Python step, never a hang."""
     import fcntl
 
-    assert _native.lean_step_module() is not None
     monkeypatch.setattr(_native, "LOCK_TIMEOUT_S", 0.5)
     with open(os.path.join(_native.build_dir(), ".fastgrpo.lock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: conflicts like another process
-        _native._load.cache_clear()
-        try:
-            with pytest.warns(RuntimeWarning, match="locked by another build"):
-                assert _native.lean_step_module() is None
-        finally:
-            _native._load.cache_clear()
+        with pytest.warns(RuntimeWarning, match="locked by another build"):
+            assert _native.lean_step_module() is None
