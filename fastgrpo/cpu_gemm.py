@@ -64,15 +64,21 @@ def _op_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_vendor() -> str:
+def cpuinfo(key: str) -> str:
+    """The value of the first `key` line of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor() -> str:
+    return cpuinfo("vendor_id")
 
 
 def onednn_enabled() -> bool:

@@ -29,14 +29,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lean_step.cpp
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ..cpu_gemm import cpuinfo
+
+    return cpuinfo("flags") or cpuinfo("Features") or platform.processor() or platform.machine()
 
 
 def enabled() -> bool:
