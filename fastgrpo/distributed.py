@@ -221,15 +221,16 @@ class DistributedBackend:
         self._last_grad_norm: Optional[float] = None
         self.last_step_skipped = False  # whether the last step() skipped a non-finite gradient
         wrapper = _Call(model)
+        if self.device.type != "cpu" or (backend == "deepspeed" and zero_stage == 3):
+            # the oneDNN linears (fastgrpo.cpu_gemm) are a CPU float32 path: off CPU, and under
+            # ZeRO-3 (partitioned weights, F.linear wrapped by DeepSpeed), they would only step
+            # aside on every call and the packed row's ladder padding would be waste
+            from .cpu_gemm import restore_linears
+
+            restore_linears(model)
         if backend == "deepspeed":
             import deepspeed
 
-            if zero_stage == 3:
-                # ZeRO-3 partitions the weights and wraps F.linear for them: the oneDNN linears
-                # (fastgrpo.cpu_gemm) step aside, so the packed row's ladder padding would be waste
-                from .cpu_gemm import restore_linears
-
-                restore_linears(model)
             config = {
                 "train_micro_batch_size_per_gpu": 1,
                 # accumulation is driven by hand (set_gradient_accumulation_boundary), and the

@@ -332,3 +332,17 @@ def test_attention_refuses_rows_that_disagree_with_cu_seqlens():
     out, _ = _varlen_sdpa_attention(module, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 5, 8]),
                                     fastgrpo_pad_rows=2)
     assert out.shape == (1, 10, 2, 8) and torch.equal(out[0, 8:], torch.zeros(2, 2, 8))
+
+
+def test_backends_off_cpu_restore_plain_linears(force, monkeypatch):
+    """A model headed for an accelerator (here the meta device) gets plain nn.Linear back: the
+    oneDNN path would only step aside on every call there."""
+    from fastgrpo import distributed
+
+    force(True)
+    model = _tiny()
+    assert use_onednn_linears(model) > 0
+    monkeypatch.setattr(distributed, "device_for", lambda env: torch.device("meta"))
+    distributed.DistributedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="none")
+    assert not any(isinstance(m, FastLinear) for m in model.modules())
+    assert not getattr(model, cpu_gemm.ONEDNN_ATTR, False)
