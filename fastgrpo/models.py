@@ -15,11 +15,16 @@ sequence, and attention must not cross sequence boundaries:
   under the causal mask, see `_VarlenPlan`) — O(Σ L²) work plus bounded padding, no T×T mask;
   called without it (an ordinary padded forward, `generate`) it is plain SDPA with SDPA's mask.
   The switch is not undone after the call on purpose: with gradient checkpointing the layers run
-  again during backward, and they must dispatch the same way then. `attn="mask"` instead relies on transformers' own
-  packed-sequence detection (`masking_utils.find_packed_sequence_indices`: a position that does
-  not follow its predecessor by 1 starts a sequence), which builds a T×T block-diagonal causal
-  mask; that detection is skipped whenever a KV cache exists, hence `use_cache=False` on every
-  call here. Departure from flash-attn: "varlen" does not do sliding windows (ValueError).
+  again during backward, and they must dispatch the same way then. `attn="mask"` instead relies
+  on transformers' own packed-sequence detection (`masking_utils.find_packed_sequence_indices`:
+  a position that does not follow its predecessor by 1 starts a sequence), which builds a T×T
+  block-diagonal causal mask; that detection is skipped whenever a KV cache exists, hence
+  `use_cache=False` on every call here. Departure from flash-attn: "varlen" does not do sliding windows (ValueError).
+
+float32 CPU models built by `build_model` run their linears on oneDNN (`fastgrpo.cpu_gemm`), which
+compiles one kernel per row count: their packed row is padded to the next count on a short ladder
+with tokens past the last segment, which attend nothing (output 0, checked against
+`cu_seq_lens_q` through a `fastgrpo_pad_rows` kwarg) and are cut off before anything is returned.
 
 The forward always goes through the model object given (a DDP / DeepSpeed wrapper's hooks run).
 Only the rows at `PackedBatch.logit_index` (positions whose next token is a completion token)

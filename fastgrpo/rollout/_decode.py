@@ -126,9 +126,9 @@ class LeanStepper:
     host, see _native.py) — the same math as plain loops with the GEMMs register-blocked over
     weights transposed at construction and the K cache transposed, so the step makes ~8 ATen
     calls instead of ~45 and runs AVX-512 where MKL would run AVX2. Measured at hidden 64 × 2
-    layers, 64 rows, one thread: 305 → 166 µs a step at 8 cached positions, 364 → 219 at 68, 519 →
-    348 at 208 (there the cache reads bound both); with 16 rows 175 → 49 µs. Agrees with the
-    Python step to ~5e-7 (tests/rollout/test_native_decode.py). `native=False`, the engine's
+    layers, 64 rows, one thread: 313 → 168 µs a step at 8 cached positions, 374 → 234 at 68, 537 →
+    371 at 208 (there the cache reads bound both); with 16 rows 177 → 50 µs. As close to a
+    float64 step as the Python step is (tests/rollout/test_native_decode.py). `native=False`, the engine's
     `decoder="lean"` or `FASTGRPO_NATIVE_DECODE=0` keep the Python step.
     """
 
