@@ -10,27 +10,10 @@ default stays), then the tiny model's packed forward + backward with its linears
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Bench, Stats, _quantile
-
-
-def _ab(fns, repeats, warmup=3):
-    """{name: Stats}, the callables run in turn inside each repeat (same machine load)."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    out = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            out[k].append(time.perf_counter() - t0)
-    return {k: Stats(statistics.median(v), _quantile(v, 0.2), _quantile(v, 0.8), v) for k, v in out.items()}
+from benchmarks.harness import Bench, time_interleaved
 
 
 def _products(bench, rows, k, n, repeats):
@@ -47,7 +30,7 @@ def _products(bench, rows, k, n, repeats):
         "weight grad": ({"default": lambda: g.t() @ x, "oneDNN": lambda: _mm(g.t(), x.t())}),
     }
     for what, fns in cases.items():
-        st = _ab(fns, repeats)
+        st = time_interleaved(fns, repeats)
         base = st["default"].median_s
         for name, s in st.items():
             bench.add(case=f"{what}: {name}", shape=f"[{rows},{k}]x[{k},{n}]", stats=s,
@@ -82,7 +65,7 @@ def _model(bench, repeats, completions, seed=0):
             packed_hidden_states(m, batch).square().mean().backward()
         return f
 
-    st = _ab({"default": step(model), "oneDNN": step(fast)}, repeats)
+    st = time_interleaved({"default": step(model), "oneDNN": step(fast)}, repeats)
     base = st["default"].median_s
     for name, s in st.items():
         bench.add(case=f"tiny model fwd+bwd: {name}", shape=f"T={batch.input_ids.numel()}", stats=s,

@@ -67,6 +67,21 @@ def _quantile(xs: List[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3) -> Dict[str, Stats]:
+    """{name: Stats} of several callables run in turn inside each repeat, so that they see the
+    same machine load (the side-by-side ratios the project reports)."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    out: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            out[k].append(time.perf_counter() - t0)
+    return {k: Stats(statistics.median(v), _quantile(v, 0.2), _quantile(v, 0.8), v) for k, v in out.items()}
+
+
 def time_fn(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, sync: Optional[Callable] = None) -> Stats:
     """Wall-clock seconds of fn() over `repeats` runs after `warmup` runs (medians, not means:
     the machines are noisy). `sync` (e.g. torch.cuda.synchronize) is called around each run."""
