@@ -40,6 +40,25 @@ def native_decode() -> bool:
     return _flag("FASTGRPO_NATIVE_DECODE", True)
 
 
+def ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` wheel puts it next to the
+    interpreter (a venv's bin/), which is not on PATH when the venv was never activated
+    (`.venv/bin/python -m pytest`). Prepend that folder when PATH has no ninja of its own."""
+    import shutil
+    import sys
+
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        folder = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        folder = os.path.dirname(sys.executable)
+    if os.path.isfile(os.path.join(folder, "ninja")):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
 def ext_dir() -> str:
     """FASTGRPO_EXT_DIR: where JIT-built extensions go (default ~/.cache/fastgrpo/ext)."""
     return os.environ.get("FASTGRPO_EXT_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastgrpo", "ext")

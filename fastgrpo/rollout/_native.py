@@ -72,6 +72,7 @@ def _load():
             stale = os.path.join(build, "lock")  # torch's baton, left by a build killed midway
             if os.path.exists(stale):
                 os.remove(stale)
+            env.ninja_on_path()
             return load(name=f"fastgrpo_lean_step_{key}", sources=[SOURCE], build_directory=build,
                         extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
     except Exception as e:  # noqa: BLE001 — any build failure means: use the Python step

@@ -187,3 +187,21 @@ def test_a_held_build_lock_times_out_into_the_python_step(monkeypatch, reload_na
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: conflicts like another process
         with pytest.warns(RuntimeWarning, match="locked by another build"):
             assert _native.lean_step_module() is None
+
+
+def test_ninja_from_the_venv_when_path_has_none(monkeypatch):
+    """`.venv/bin/python -m pytest` without an activated venv: PATH lacks the wheel's ninja, and
+    torch's build would fail for want of it; the loader puts the wheel's folder on PATH."""
+    import shutil
+
+    import ninja
+
+    from fastgrpo import env
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    env.ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert shutil.which("ninja") is not None
+    env.ninja_on_path()  # idempotent: found now, PATH untouched
+    assert os.environ["PATH"].count(ninja.BIN_DIR) == 1
