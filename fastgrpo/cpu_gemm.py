@@ -92,9 +92,9 @@ def onednn_enabled() -> bool:
                                 and _cpu_vendor() == "AuthenticAMD")
 
 
-def _mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """a @ b_t.T on oneDNN (a: [M, K], b_t: [N, K], any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
+def _mm(a: torch.Tensor, b_t: torch.Tensor, bias=None) -> torch.Tensor:
+    """a @ b_t.T (+ bias) on oneDNN (a: [M, K], b_t: [N, K], any strides; bias dense)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
 
 
 class OneDNNLinear(torch.autograd.Function):
@@ -104,7 +104,7 @@ class OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _mm(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):

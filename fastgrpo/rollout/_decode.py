@@ -181,11 +181,13 @@ class LeanStepper:
         shape = (B, self.n_kv, size, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in self.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
+        if self.native is not None:  # K stored transposed: a [B, Hkv, D, S] buffer, seen as [B, Hkv, S, D]
+            self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
         for i in range(len(self.layers)):
             self.k[i][:, :, :width] = cache.layers[i].keys
             self.v[i][:, :, :width] = cache.layers[i].values
         if self.native is not None:
-            self.k = [k.transpose(2, 3).contiguous() for k in self.k]
+            self.k = [k.transpose(2, 3) for k in self.k]  # the contiguous [B, Hkv, D, S] buffers
             empty = torch.empty(0, dtype=dtype)
             self._flat = [empty if t is None else (t.t().contiguous() if j in (2, 4, 6, 8) else t.contiguous())
                           for layer in self.layers for j, t in enumerate(layer)]
