@@ -1,0 +1,73 @@
+"""JIT builds of fastgrpo's host-tuned C++ sources (torch.utils.cpp_extension), shared by the
+native decode step (rollout/lean_step.cpp) and the fused training layers (train_ops.cpp).
+
+Each source is compiled on first use with `-O3 -march=native` into `$FASTGRPO_EXT_DIR` (default
+`~/.cache/fastgrpo/ext`), in a folder named by a hash of the source, the torch and Python
+versions and the CPU's flags: a cache shared by different machines never hands one the other's
+binary. Concurrent builds (several ranks starting at once) are serialised by an `flock` on the
+build folder, which the kernel releases when its holder dies; a lock file left by a build killed
+midway (torch's own, which would make the next build wait forever) is removed under it. Any
+failure (no compiler or ninja, a broken source, a lock held past the timeout) warns once and
+returns None: every caller has a Python path computing the same thing.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from typing import Optional
+
+from . import env
+
+
+def _cpu_flags() -> str:
+    from .cpu_gemm import cpuinfo
+
+    return cpuinfo("flags") or cpuinfo("Features") or platform.processor() or platform.machine()
+
+
+def build_dir(stem: str, source: str) -> str:
+    """Where this machine's build of `source` lives (see the module doc)."""
+    import torch
+
+    with open(source, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), sys.version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    return os.path.join(env.ext_dir(), f"{stem}_{key}")
+
+
+def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: float) -> Optional[object]:
+    """The compiled module of `source`, or None after a warning naming `what` and `fallback`."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        folder = build_dir(stem, source)
+        key = os.path.basename(folder)[len(stem) + 1:]
+        import fcntl  # POSIX; elsewhere the ImportError means: the Python path
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, ".fastgrpo.lock"), "w") as lock:
+            deadline = time.monotonic() + lock_timeout_s
+            while True:  # a holder that is stuck must not hang every other rank
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{folder} is locked by another build for over {lock_timeout_s} s")
+                    time.sleep(0.2)
+            stale = os.path.join(folder, "lock")  # torch's baton, left by a build killed midway
+            if os.path.exists(stale):
+                os.remove(stale)
+            env.ninja_on_path()
+            return load(name=f"fastgrpo_{stem}_{key}", sources=[source], build_directory=folder,
+                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as e:  # noqa: BLE001 — any build failure means: the Python path
+        msg = str(e).strip().splitlines()
+        warnings.warn(f"fastgrpo: {what} could not be built ({type(e).__name__}: "
+                      f"{msg[-1] if msg else ''}); {fallback} is used", RuntimeWarning, stacklevel=4)
+        return None
