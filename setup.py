@@ -26,8 +26,8 @@ setup(
     packages=["fastgrpo", "fastgrpo.kernels"]
     + [f"fastgrpo.{p}" for p in ("rewards", "rollout", "sync", "integrations", "demo")],
     package_dir={"fastgrpo": "fastgrpo", "fastgrpo.kernels": "kernels"},
-    # the native decode step's source, JIT-compiled for the host on first use (rollout/_native.py)
-    package_data={"fastgrpo.rollout": ["lean_step.cpp"]},
+    # the native sources, JIT-compiled for the host on first use (fastgrpo/_jit.py)
+    package_data={"fastgrpo.rollout": ["lean_step.cpp"], "fastgrpo": ["train_ops.cpp"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .cpu_gemm import use_onednn_linears
+from .fused_layer import use_fused_layers
 from .config import DataConfig, ModelConfig, OptimizerConfig, RewardsConfig, RolloutConfig
 from .rollout.vllm_engine import vllm_available
 
@@ -46,6 +47,8 @@ def build_model(mcfg: ModelConfig):
         model.gradient_checkpointing_enable()
     # float32 CPU linears on oneDNN's AVX-512 GEMM where MKL would run AVX2 (fastgrpo.cpu_gemm)
     use_onednn_linears(model)
+    # packed float32 CPU training forwards through fused decoder layers (fastgrpo.fused_layer)
+    use_fused_layers(model)
     return model, tok
 
 

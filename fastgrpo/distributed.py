@@ -225,9 +225,13 @@ class DistributedBackend:
             # the oneDNN linears (fastgrpo.cpu_gemm) are a CPU float32 path: off CPU, and under
             # ZeRO-3 (partitioned weights, F.linear wrapped by DeepSpeed), they would only step
             # aside on every call and the packed row's ladder padding would be waste
+            # the fused decoder layers (fastgrpo.fused_layer) likewise: ZeRO-3 gathers weights in
+            # the submodules' forward hooks, which a fused layer would not call
             from .cpu_gemm import restore_linears
+            from .fused_layer import restore_layers
 
             restore_linears(model)
+            restore_layers(model)
         if backend == "deepspeed":
             import deepspeed
 

@@ -40,6 +40,12 @@ def native_decode() -> bool:
     return _flag("FASTGRPO_NATIVE_DECODE", True)
 
 
+def fused_layers() -> bool:
+    """FASTGRPO_FUSED_LAYERS=0: packed float32 CPU training forwards keep the model's own decoder
+    layers instead of the fused ones (fastgrpo/fused_layer.py, train_ops.cpp; default on)."""
+    return _flag("FASTGRPO_FUSED_LAYERS", True)
+
+
 def ninja_on_path() -> None:
     """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` wheel puts it next to the
     interpreter (a venv's bin/), which is not on PATH when the venv was never activated

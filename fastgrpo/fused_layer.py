@@ -1,0 +1,397 @@
+"""Fused float32 CPU decoder layers for packed training forwards (Qwen2, Llama, Mistral).
+
+On one CPU thread a tiny model's packed forward + backward is dominated by its elementwise
+passes, not its GEMMs: Hugging Face's decoder layer runs about 30 ATen ops forward and 60
+backward per layer (RMSNorm alone is 6 forward), each a pass over activations that no longer
+sit in cache, plus autograd's bookkeeping for each. Measured on the e2e benchmark's update (tiny
+Qwen2, ~1.9k tokens, one thread): GEMMs 6 ms of 24.
+
+`FusedDecoderLayer` runs the whole layer as one autograd function with four GEMMs forward
+(q‖k‖v, o, gate‖up, down: the projections of one input concatenated into one product) and
+eight backward, and the rest as one-pass C++ loops (`train_ops.cpp`, JIT-built for the host
+like the native decode step, `fastgrpo._jit`): RMSNorm, RoPE in place on the q‖k columns,
+varlen causal attention over the packed segments (with the shared-prefix layout of
+`PackedBatch.segment_prefix`; logsumexp kept, probabilities recomputed in the backward, as
+flash attention does), SiLU·up, residual adds fused into the norm backward. It saves x, the
+two normed inputs, q‖k‖v after RoPE, the attention output and logsumexp, the residual and
+gate‖up: less than the Hugging Face layer keeps. The GEMMs go to oneDNN where `cpu_gemm` would
+send the layer's linears (a row count on its ladder), else to torch's own.
+
+Where it runs: `use_fused_layers(model)` (called by `fastgrpo.builders.build_model`) swaps the
+class of every decoder layer and RMSNorm of a supported architecture to a subclass (so
+isinstance checks, parameters, state dict, deepcopy and pickle are unchanged) whose forward
+takes the fused path only for the packed varlen forward of `fastgrpo.models` (float32, CPU, no
+autocast, not under torch.compile, no KV cache, no attention dropout, no forward hooks on the
+layer's parts, weights not partitioned by ZeRO-3) and is the model's own forward otherwise
+(generation, prefills, bf16, GPU). `FASTGRPO_FUSED_LAYERS=0`, or a failed build (one warning),
+keep the model's own layers everywhere. The backward is once-differentiable: a double backward
+(`create_graph=True`) through a fused layer raises an error.
+
+Departures from the model's own layer, all float32 rounding: sums in another order, e^x by a
+polynomial within 2 ulp (`tests/test_fused_layer.py` compares outputs and every gradient to the
+float64 model). Supported: q/k/v/o biases (Qwen2), GQA, any even head dim, the model's own RoPE
+tables (any scaling, full rotary dim). Not supported (the layer stays the model's own):
+sliding windows, MLP biases, activations other than SiLU, partial rotary, q/k norms (Qwen3).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from . import _jit, cpu_gemm, env
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ops.cpp")
+LOCK_TIMEOUT_S = 300
+# set on a model by use_fused_layers
+FUSED_ATTR = "_fastgrpo_fused_layers"
+# the architectures whose layers compute exactly: x + attn(norm(x)); h + down(silu(gate(·)) · up(·))
+_LAYER_MODULES = {
+    "Qwen2DecoderLayer": "transformers.models.qwen2.modeling_qwen2",
+    "LlamaDecoderLayer": "transformers.models.llama.modeling_llama",
+    "MistralDecoderLayer": "transformers.models.mistral.modeling_mistral",
+}
+_NORM_MODULES = {
+    "Qwen2RMSNorm": "transformers.models.qwen2.modeling_qwen2",
+    "LlamaRMSNorm": "transformers.models.llama.modeling_llama",
+    "MistralRMSNorm": "transformers.models.mistral.modeling_mistral",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    return _jit.build("train_ops", SOURCE, "the fused training layers", "the model's own layers", LOCK_TIMEOUT_S)
+
+
+def ops_module():
+    """The compiled train_ops module, or None (off, or the build failed: see fastgrpo._jit)."""
+    if not env.fused_layers():
+        return None
+    return _load()
+
+
+# ------------------------------------------------------------------ the packed segments
+_LAST_SEG: list = [None]
+
+
+def _segments(cu: torch.Tensor, prefix: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+    """int64 [S, 4]: (start, length, prefix start, prefix length) per segment, checked against
+    the row count (`rows` ≥ the last segment's end: the rest is ladder padding). Every layer of
+    one forward (and a checkpointed recomputation) gets the same tensors: built once."""
+    key = cu
+    last = _LAST_SEG[0]
+    if (last is not None and last[0] is cu and last[1] == cu._version and last[2] is prefix
+            and (prefix is None or last[3] == prefix._version)):
+        return last[4]
+    cu = cu.to(torch.int64)
+    if cu.dim() != 1 or cu.numel() < 1 or bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
+        raise ValueError(f"cu_seq_lens_q: expected a non-decreasing 1-D tensor from 0, got {cu.tolist()[:8]}…")
+    if int(cu[-1]) > rows:
+        raise ValueError(f"cu_seq_lens_q ends at token {int(cu[-1])} but the packed row has {rows}")
+    start, length = cu[:-1], cu[1:] - cu[:-1]
+    s = start.numel()
+    if prefix is None:
+        ps = pl = torch.zeros(s, dtype=torch.int64)
+    else:
+        prefix = prefix.to(torch.int64)
+        if prefix.shape != (s, 2):
+            raise ValueError(f"segment_prefix: expected {s} (start, length) rows (one per segment), "
+                             f"got shape {tuple(prefix.shape)}")
+        ps, pl = prefix[:, 0], prefix[:, 1]
+        bad = (pl != 0) & ~((ps >= 0) & (pl > 0) & (ps + pl <= start))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"segment_prefix[{i}] = ({int(ps[i])}, {int(pl[i])}): a prefix must be a span of "
+                             f"tokens (length >= 0) before its segment, which starts at token {int(start[i])}")
+        ps = torch.where(pl > 0, ps, torch.zeros_like(ps))
+        pl = pl.clamp(min=0)
+    seg = torch.stack([start, length, ps, pl], 1).contiguous()
+    _LAST_SEG[0] = (key, key._version, prefix, None if prefix is None else prefix._version, seg)
+    return seg
+
+
+def _gemm(a: torch.Tensor, b_t: torch.Tensor, bias, dnn: bool) -> torch.Tensor:
+    """a @ b_t.T (+ bias): oneDNN when the row count is on cpu_gemm's ladder, else torch."""
+    return cpu_gemm._mm(a, b_t, bias) if dnn else F.linear(a, b_t, bias)
+
+
+class _Spec:
+    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "dnn", "biases", "split")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class _DecoderLayerFn(torch.autograd.Function):
+    """y = x2 + down(silu(gate(n2)) · up(n2)), x2 = x + o(attn(rope(qkv(n1)))), n1 = norm1(x),
+    n2 = norm2(x2); x [T, H] float32 dense."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, spec, w_in, wq, wk, wv, bq, bk, bv, wo, bo, w_post, wg, wu, wd):
+        ops, dnn = spec.ops, spec.dnn
+        h1, r1 = ops.rmsnorm_fwd(x, w_in, spec.eps1)
+        wqkv = torch.cat([wq, wk, wv])
+        bqkv = None
+        if spec.biases[:3] != (False, False, False):
+            bqkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv))])
+        qkv = _gemm(h1, wqkv, bqkv, dnn)
+        ops.rope_(qkv, cos, sin, spec.nq + spec.nk, spec.d, False)
+        o, lse = ops.attn_fwd(qkv, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
+        x2 = _gemm(o, wo, bo.contiguous() if bo is not None else None, dnn).add_(x)
+        h2, r2 = ops.rmsnorm_fwd(x2, w_post, spec.eps2)
+        wgu = torch.cat([wg, wu])
+        gu = _gemm(h2, wgu, None, dnn)
+        y = _gemm(ops.silu_mul_fwd(gu), wd, None, dnn).add_(x2)
+        ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wqkv, wo, w_post, wgu, wd)
+        ctx.spec = spec
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wqkv, wo, w_post, wgu, wd = ctx.saved_tensors
+        spec = ctx.spec
+        ops, dnn, need = spec.ops, spec.dnn, ctx.needs_input_grad
+        gy = gy.contiguous()
+        g = [None] * 17
+        if need[16]:
+            g[16] = _gemm(gy.t(), ops.silu_mul_fwd(gu).t(), None, dnn)
+        dgu = ops.silu_mul_bwd(_gemm(gy, wd.t(), None, dnn), gu)
+        if need[14] or need[15]:
+            g[14], g[15] = _gemm(dgu.t(), h2.t(), None, dnn).split(wgu.shape[0] // 2)
+        dx2, g[13] = ops.rmsnorm_bwd(_gemm(dgu, wgu.t(), None, dnn), x2, w_post, r2, gy)
+        if need[11]:
+            g[11] = _gemm(dx2.t(), o.t(), None, dnn)
+        if spec.biases[3] and need[12]:
+            g[12] = dx2.sum(0)
+        dqkv = ops.attn_bwd(_gemm(dx2, wo.t(), None, dnn), qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d,
+                            spec.scale)
+        ops.rope_(dqkv, cos, sin, spec.nq + spec.nk, spec.d, True)
+        if any(need[5:8]):
+            g[5], g[6], g[7] = _gemm(dqkv.t(), h1.t(), None, dnn).split(spec.split)
+        if any(spec.biases[:3]):
+            gb = dqkv.sum(0).split(spec.split)
+            for i in range(3):
+                if spec.biases[i] and need[8 + i]:
+                    g[8 + i] = gb[i]
+        g[0], g[4] = ops.rmsnorm_bwd(_gemm(dqkv, wqkv.t(), None, dnn), x, w_in, r1, dx2)
+        return tuple(g)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, ops, eps):
+        y, r = ops.rmsnorm_fwd(x, w, eps)
+        ctx.save_for_backward(x, w, r)
+        ctx.ops = ops
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        x, w, r = ctx.saved_tensors
+        dx, dw = ctx.ops.rmsnorm_bwd(gy.contiguous(), x, w, r, None)
+        return dx, dw, None, None
+
+
+# ------------------------------------------------------------------ when the fused path runs
+def _packed_call() -> bool:
+    from .models import _PACKED_CALL
+
+    return _PACKED_CALL.get()
+
+
+def _varlen_attn() -> str:
+    from .models import VARLEN_ATTN
+
+    return VARLEN_ATTN
+
+
+def _plain_f32(x: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
+def _foreign(hooks) -> bool:
+    # transformers' output recorder (`output_capturing_hook`, installed on attention modules once
+    # any forward asks for hidden states) records only what packed forwards never ask for
+    return any("output_capturing_hook" not in getattr(h, "__qualname__", "") for h in hooks.values())
+
+
+def _hooked(parts) -> bool:
+    """Whether a forward hook on one of the layer's parts (which the fused path does not call)
+    would be skipped."""
+    return any((m._forward_hooks and _foreign(m._forward_hooks)) or m._forward_pre_hooks for m in parts) or bool(
+        nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def _params_ok(params) -> bool:
+    # ZeRO-3 partitions (0-element, gathered by hooks the fused path would skip), other dtypes
+    return all(p is None or (p.dtype == torch.float32 and p.device.type == "cpu" and not hasattr(p, "ds_id"))
+               for p in params)
+
+
+class FusedDecoderLayer:
+    """Mixin put in front of a supported decoder layer class (see the module doc)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        at, mlp = self.self_attn, self.mlp
+        params = (self.input_layernorm.weight, at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.q_proj.bias,
+                  at.k_proj.bias, at.v_proj.bias, at.o_proj.weight, at.o_proj.bias,
+                  self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        ops = None
+        if (cu is not None and past_key_values is None and attention_mask is None and position_embeddings is not None
+                and hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and _plain_f32(hidden_states)
+                and getattr(at.config, "_attn_implementation", None) == _varlen_attn()
+                and not (self.training and at.attention_dropout > 0)
+                and not _hooked(self._fastgrpo_parts) and _params_ok(params)):
+            ops = ops_module()
+        if ops is None:
+            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+        from .models import PAD_KWARG, PREFIX_KWARG
+
+        x = hidden_states[0].contiguous()
+        t = x.shape[0]
+        seg = _segments(cu, kwargs.get(PREFIX_KWARG), t)
+        if int(seg[-1, 0] + seg[-1, 1]) + kwargs.get(PAD_KWARG, 0) != t:
+            raise ValueError(f"cu_seq_lens_q ends at token {int(seg[-1, 0] + seg[-1, 1])} but the query has {t} rows "
+                             f"({kwargs.get(PAD_KWARG, 0)} of them ladder padding): they must agree")
+        cos, sin = position_embeddings
+        cos, sin = cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous()
+        nq, nk, d = self._fastgrpo_heads
+        if cos.shape[1] != d:  # partial rotary: not this kernel's
+            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+        dnn = cpu_gemm._enabled() and t >= cpu_gemm.MIN_ROWS and cpu_gemm.padded_rows(t) == t
+        spec = _Spec(ops=ops, seg=seg, nq=nq, nk=nk, d=d, scale=float(at.scaling),
+                     eps1=float(self.input_layernorm.variance_epsilon),
+                     eps2=float(self.post_attention_layernorm.variance_epsilon), dnn=dnn,
+                     biases=tuple(p is not None for p in params[4:7]) + (params[8] is not None,),
+                     split=(nq * d, nk * d, nk * d))
+        y = _DecoderLayerFn.apply(x, cos, sin, spec, *params)
+        return y[None]
+
+
+class FusedRMSNorm:
+    """Mixin put in front of a supported RMSNorm class outside the decoder layers (the final
+    norm): in a packed forward, one C++ pass each way."""
+
+    def forward(self, hidden_states):
+        ops = None
+        if _plain_f32(hidden_states) and _packed_call() and _params_ok((self.weight,)) and not _hooked((self,)):
+            ops = ops_module()
+        if ops is None:
+            return super().forward(hidden_states)
+        h = hidden_states.shape[-1]
+        y = _RMSNormFn.apply(hidden_states.reshape(-1, h).contiguous(), self.weight, ops,
+                             float(self.variance_epsilon))
+        return y.view(hidden_states.shape)
+
+
+_CLASSES: dict = {}
+
+
+def _fused_class(base: type, mixin: type) -> type:
+    name = f"Fused{base.__name__}"
+    cls = _CLASSES.get(name)
+    if cls is None:
+        cls = _CLASSES[name] = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name})
+    return cls
+
+
+def __getattr__(name: str):
+    """`FusedQwen2DecoderLayer` etc. for pickle (the classes are made on first use)."""
+    import importlib
+
+    if name.startswith("Fused"):
+        base = name[len("Fused"):]
+        where = _LAYER_MODULES.get(base) or _NORM_MODULES.get(base)
+        if where is not None:
+            cls = getattr(importlib.import_module(where), base)
+            return _fused_class(cls, FusedDecoderLayer if base in _LAYER_MODULES else FusedRMSNorm)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _layer_ok(layer) -> bool:
+    at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if at is None or mlp is None:
+        return False
+    linears = [getattr(at, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(m) in (nn.Linear, cpu_gemm.FastLinear) for m in linears):
+        return False
+    if any(m.bias is not None for m in linears[4:]):  # MLP biases: not this kernel's
+        return False
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if not all(type(n).__name__ in _NORM_MODULES and hasattr(n, "variance_epsilon") for n in norms):
+        return False
+    cfg = getattr(at, "config", None)
+    if cfg is None or getattr(cfg, "hidden_act", None) != "silu" or getattr(at, "sliding_window", None) is not None:
+        return False
+    d = getattr(at, "head_dim", None)
+    nq, nk = getattr(cfg, "num_attention_heads", 0), getattr(cfg, "num_key_value_heads", None) or 0
+    if not d or d % 2 or not nq or not nk or nq % nk:
+        return False
+    h = linears[0].in_features
+    return (linears[0].out_features == nq * d and linears[1].out_features == nk * d
+            and linears[2].out_features == nk * d and linears[3].in_features == nq * d
+            and norms[0].weight.shape == (h,) and norms[1].weight.shape == (h,) and hasattr(at, "scaling"))
+
+
+def use_fused_layers(model: nn.Module) -> int:
+    """Swap the class of every supported decoder layer and RMSNorm of a float32 `model` in place
+    (see the module doc); returns how many layers were swapped. Nothing is compiled here: the
+    C++ ops build on the first packed forward that takes them."""
+    if not env.fused_layers():
+        return 0
+    n = 0
+    for m in model.modules():
+        base = type(m)
+        if base.__name__ in _LAYER_MODULES and _layer_ok(m) and m.input_layernorm.weight.dtype == torch.float32:
+            at, mlp = m.self_attn, m.mlp
+            m.__class__ = _fused_class(base, FusedDecoderLayer)
+            m._fastgrpo_heads = (at.q_proj.out_features // at.head_dim, at.k_proj.out_features // at.head_dim,
+                                 at.head_dim)
+            m._fastgrpo_parts = (at, mlp, at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
+                                 mlp.down_proj, mlp.act_fn, m.input_layernorm, m.post_attention_layernorm)
+            n += 1
+    # the norms outside the decoder layers (the final one): a layer's own norms run inside the
+    # fused layer, or inside the model's own layer, which gradient checkpointing may recompute
+    # after the packed call has ended (the norm could not tell: it would dispatch differently)
+    inner = {id(x) for m in model.modules() if type(m).__name__ in _LAYER_MODULES or isinstance(m, FusedDecoderLayer)
+             for x in m.modules()}
+    for m in model.modules():
+        base = type(m)
+        if (base.__name__ in _NORM_MODULES and id(m) not in inner and hasattr(m, "variance_epsilon")
+                and getattr(m, "weight", None) is not None):
+            m.__class__ = _fused_class(base, FusedRMSNorm)
+    if n:
+        setattr(model, FUSED_ATTR, True)
+    return n
+
+
+def restore_layers(model: nn.Module) -> int:
+    """Undo `use_fused_layers`: every fused layer and norm back to its model's class; returns
+    how many layers."""
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if cls.__name__ in _CLASSES and _CLASSES[cls.__name__] is cls:
+            m.__class__ = cls.__mro__[2]
+            if isinstance(m, nn.Module) and hasattr(m, "_fastgrpo_heads"):
+                del m._fastgrpo_heads, m._fastgrpo_parts
+                n += 1
+    if hasattr(model, FUSED_ATTR):
+        delattr(model, FUSED_ATTR)
+    return n
