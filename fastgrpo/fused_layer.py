@@ -289,7 +289,8 @@ class FusedRMSNorm:
 
     def forward(self, hidden_states):
         ops = None
-        if _plain_f32(hidden_states) and _packed_call() and _params_ok((self.weight,)) and not _hooked((self,)):
+        # (the norm's own hooks run around this forward, whichever path it takes)
+        if _plain_f32(hidden_states) and _packed_call() and _params_ok((self.weight,)):
             ops = ops_module()
         if ops is None:
             return super().forward(hidden_states)

@@ -168,7 +168,9 @@ def run_trainer(out_dir: str, stage: int):
     rec = {"w0": w0, "w": flat_weights(trainer.backend), "steps": trainer.backend.engine.global_steps,
            "nan_skips": trainer.nan_skips, "seqs": trainer.seqs_per_step,
            "curriculum": trainer.curriculum.state_dict()["curriculum"],
-           "fast_linears": sum(type(m).__name__ == "FastLinear" for m in trainer.backend.module.modules())}
+           "fast_linears": sum(type(m).__name__ == "FastLinear" for m in trainer.backend.module.modules()),
+           "fused_layers": sum(type(m).__name__.startswith("Fused") and type(m).__name__.endswith("DecoderLayer")
+                               for m in trainer.backend.module.modules())}
     if trainer.ref_model is not None:
         rec["ref"] = torch.cat([v.flatten().float() for _, v in sorted(trainer.ref_model.state_dict().items())])
     if stage == 2:

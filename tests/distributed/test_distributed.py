@@ -111,6 +111,8 @@ def test_trainer_two_ranks_identical_weights(runs, stage):
     from fastgrpo.cpu_gemm import onednn_enabled
 
     assert (r0["fast_linears"] > 0) == (onednn_enabled() and stage != 3)
+    # fused decoder layers (fastgrpo.fused_layer) likewise: ZeRO-3 gathers weights in hooks they skip
+    assert (r0["fused_layers"] > 0) == (stage != 3)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
