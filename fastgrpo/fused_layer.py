@@ -231,6 +231,17 @@ def _hooked(parts) -> bool:
         nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
+def _shapes(params) -> tuple:
+    return tuple(None if p is None else tuple(p.shape) for p in params)
+
+
+def _layer_params(layer) -> tuple:
+    at, mlp = layer.self_attn, layer.mlp
+    return (layer.input_layernorm.weight, at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.q_proj.bias,
+            at.k_proj.bias, at.v_proj.bias, at.o_proj.weight, at.o_proj.bias, layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
 def _params_ok(params) -> bool:
     # ZeRO-3 partitions (0-element, gathered by hooks the fused path would skip), other dtypes
     return all(p is None or (p.dtype == torch.float32 and p.device.type == "cpu" and not hasattr(p, "ds_id"))
@@ -243,12 +254,10 @@ class FusedDecoderLayer:
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
-        at, mlp = self.self_attn, self.mlp
-        params = (self.input_layernorm.weight, at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.q_proj.bias,
-                  at.k_proj.bias, at.v_proj.bias, at.o_proj.weight, at.o_proj.bias,
-                  self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        at = self.self_attn
+        params = _layer_params(self)
         ops = None
-        if (cu is not None and past_key_values is None and attention_mask is None and position_embeddings is not None
+        if (cu is not None and past_key_values is None and self._fastgrpo_shapes == _shapes(params) and attention_mask is None and position_embeddings is not None
                 and hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and _plain_f32(hidden_states)
                 and getattr(at.config, "_attn_implementation", None) == _varlen_attn()
                 and not (self.training and at.attention_dropout > 0)
@@ -263,11 +272,12 @@ class FusedDecoderLayer:
         x = hidden_states[0].contiguous()
         t = x.shape[0]
         seg = _segments(cu, kwargs.get(PREFIX_KWARG), t)
-        if int(seg[-1, 0] + seg[-1, 1]) + kwargs.get(PAD_KWARG, 0) != t:
-            raise ValueError(f"cu_seq_lens_q ends at token {int(seg[-1, 0] + seg[-1, 1])} but the query has {t} rows "
+        end = int(seg[-1, 0] + seg[-1, 1]) if len(seg) else 0
+        if end + kwargs.get(PAD_KWARG, 0) != t:
+            raise ValueError(f"cu_seq_lens_q ends at token {end} but the query has {t} rows "
                              f"({kwargs.get(PAD_KWARG, 0)} of them ladder padding): they must agree")
         cos, sin = position_embeddings
-        cos, sin = cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous()
+        cos, sin = (c.reshape(t, c.shape[-1]).float().contiguous() for c in (cos, sin))
         nq, nk, d = self._fastgrpo_heads
         if cos.shape[1] != d:  # partial rotary: not this kernel's
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -364,6 +374,9 @@ def use_fused_layers(model: nn.Module) -> int:
             m.__class__ = _fused_class(base, FusedDecoderLayer)
             m._fastgrpo_heads = (at.q_proj.out_features // at.head_dim, at.k_proj.out_features // at.head_dim,
                                  at.head_dim)
+            # the shapes the kernels were checked against: a layer whose weights are later
+            # replaced by others of another shape takes the model's own forward
+            m._fastgrpo_shapes = _shapes(_layer_params(m))
             m._fastgrpo_parts = (at, mlp, at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
                                  mlp.down_proj, mlp.act_fn, m.input_layernorm, m.post_attention_layernorm)
             n += 1
@@ -391,7 +404,7 @@ def restore_layers(model: nn.Module) -> int:
         if cls.__name__ in _CLASSES and _CLASSES[cls.__name__] is cls:
             m.__class__ = cls.__mro__[2]
             if isinstance(m, nn.Module) and hasattr(m, "_fastgrpo_heads"):
-                del m._fastgrpo_heads, m._fastgrpo_parts
+                del m._fastgrpo_heads, m._fastgrpo_parts, m._fastgrpo_shapes
                 n += 1
     if hasattr(model, FUSED_ATTR):
         delattr(model, FUSED_ATTR)

@@ -214,3 +214,49 @@ def test_frozen_weights_get_no_gradient_and_inputs_do():
     h.sum().backward()
     for n, p in fused.named_parameters():
         assert (p.grad is not None) == ("mlp" in n), n
+
+
+def test_two_threads_equal_one(count_fused):
+    """The C++ loops split rows and segments over threads: the same results as one thread."""
+    fused = _model("qwen2", 4, 2, 16)
+    FL.use_fused_layers(fused)
+    batch = _batch(True)
+    coef = torch.randn(batch.targets.numel(), generator=torch.Generator().manual_seed(3))
+    n = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(_run(fused, batch, coef))
+    finally:
+        torch.set_num_threads(n)
+    assert len(count_fused) == 8
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
+    for k in outs[0][2]:
+        torch.testing.assert_close(outs[0][2][k], outs[1][2][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_replaced_weights_of_another_shape_take_the_model_own_forward(count_fused):
+    fused = _model()
+    FL.use_fused_layers(fused)
+    layer = fused.model.layers[0]
+    layer.mlp.gate_proj = torch.nn.Linear(64, 96, bias=False)
+    layer.mlp.up_proj = torch.nn.Linear(64, 96, bias=False)
+    layer.mlp.down_proj = torch.nn.Linear(96, 64, bias=False)
+    h = packed_hidden_states(fused, _batch(False))
+    assert torch.isfinite(h).all() and len(count_fused) == 1  # layer 1 only
+
+
+def test_an_empty_packed_row(count_fused):
+    """No token at all: zero rows out, and its backward runs."""
+    from fastgrpo.models import enable_packed_attention
+
+    fused = _model()
+    FL.use_fused_layers(fused)
+    enable_packed_attention(fused)
+    x = torch.randn(1, 0, 64, requires_grad=True)
+    cos = sin = torch.zeros(1, 0, 32)
+    y = fused.model.layers[0](x, position_embeddings=(cos, sin), cu_seq_lens_q=torch.zeros(1, dtype=torch.int64))
+    assert y.shape == (1, 0, 64) and count_fused == [0]
+    y.sum().backward()
+    assert x.grad.shape == (1, 0, 64)
