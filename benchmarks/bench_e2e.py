@@ -84,12 +84,15 @@ def _trl_parts(a):
     from fastgrpo.builders import build_model, build_task
     from fastgrpo.config import load_config
     from fastgrpo.cpu_gemm import restore_linears
+    from fastgrpo.fused_layer import restore_layers
 
     cfg = load_config(overrides=[f"seed={a.seed}"])
     model, tok = build_model(cfg.model)  # the same tiny model fastgrpo's Trainer builds
-    # ... with the plain nn.Linear layers a TRL user's HF model has (fastgrpo's build_model puts
-    # float32 CPU linears on oneDNN, fastgrpo.cpu_gemm; that is fastgrpo's, not TRL's)
+    # ... with the plain nn.Linear and decoder layers a TRL user's HF model has (fastgrpo's
+    # build_model puts float32 CPU linears on oneDNN, fastgrpo.cpu_gemm, and packed training
+    # forwards through fused layers, fastgrpo.fused_layer: fastgrpo's, not TRL's)
     restore_linears(model)
+    restore_layers(model)
     task = build_task(cfg.data)
     n = a.prompts * (a.warmup + a.steps + 1)
     rows = task.train[:n]
