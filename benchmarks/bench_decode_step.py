@@ -1,5 +1,6 @@
 """One decode step of the built-in engine's lean decoder: the native step (lean_step.cpp) vs the
-Python step, side by side (the two alternate within each repeat), on the same KV caches.
+Python step, side by side (the two alternate within each repeat), on the same KV caches; and one
+step's sampling (lean_step.cpp's sample_step vs the Python `pick` and bookkeeping).
 
 Cases: rows × cached positions, on one thread (where the engine runs the native step). The
 step's work is the model's GEMMs (2·rows·params FLOPs) plus reading the KV cache (rows · layers
@@ -66,7 +67,40 @@ def main(argv=None):
                     bench.add(case=f"{name} step", shape=f"h{a.hidden}xL{a.layers},rows={rows},positions={p}",
                               stats=s, extra={"us_per_step": round(s.median_s * 1e6, 1),
                                               "speedup": round(base / s.median_s, 2)})
+        with torch.inference_mode():
+            _sampling_case(bench, steppers[True], nxt, pos, rows, a)
     bench.finish()
+
+
+def _sampling_case(bench, stepper, nxt, pos, rows, a):
+    """One step's sampling and bookkeeping at temperature 0.8 on the step's logits: the engine's
+    Python path (pick: inverse CDF on torch ops, then the out_tok / out_lp writes and the stop
+    check) vs lean_step.cpp's sample_step, which does the same in one call."""
+    from fastgrpo.rollout._decode import pick
+    from fastgrpo.rollout.torch_engine import process_logits
+
+    logits = stepper.step(nxt, pos, 0)
+    T = 32
+    u = torch.rand((rows, T), generator=torch.Generator().manual_seed(0))
+    r, stop = torch.arange(rows), torch.tensor([1, 2])
+    out_tok, out_lp = torch.zeros((rows, T), dtype=torch.long), torch.zeros((rows, T))
+    length, stopped = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool)
+    alive, tok = torch.ones(rows, dtype=torch.bool), torch.empty(rows, dtype=torch.long)
+
+    def python():
+        y, lp = pick(logits, 0.8, 0, 1.0, u[r, 3], process_logits, 3)
+        out_tok[r, 3], out_lp[r, 3] = y, lp
+        done = torch.isin(y, stop) & alive
+        return int(done.sum())
+
+    def native():
+        return stepper.native.sample_step(logits, 0.8, u, 3, r, stop, tok, alive, out_tok, out_lp, length, stopped)
+
+    st = time_interleaved({"python": python, "native": native}, a.repeats, warmup=20)
+    base = st["python"].median_s
+    for name, s in st.items():
+        bench.add(case=f"{name} sampling", shape=f"vocab={logits.shape[1]},rows={rows},T=0.8", stats=s,
+                  extra={"us_per_step": round(s.median_s * 1e6, 1), "speedup": round(base / s.median_s, 2)})
 
 
 if __name__ == "__main__":

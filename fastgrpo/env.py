@@ -35,8 +35,9 @@ def disable_ext() -> bool:
 
 
 def native_decode() -> bool:
-    """FASTGRPO_NATIVE_DECODE=0: the built-in engine keeps LeanStepper's Python step instead of
-    the JIT-built native one (fastgrpo/rollout/lean_step.cpp; default on)."""
+    """FASTGRPO_NATIVE_DECODE=0: the built-in engine keeps LeanStepper's Python step, the HF
+    prefill and the Python sampler (`_decode.pick`) instead of the JIT-built native step, prefill
+    and sampler (fastgrpo/rollout/lean_step.cpp; default on)."""
     return _flag("FASTGRPO_NATIVE_DECODE", True)
 
 

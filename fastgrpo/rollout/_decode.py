@@ -1,18 +1,22 @@
-"""Decode-step pieces of the built-in torch engine (torch_engine.py): vectorised sampling, and
-two steppers that turn a token per row into next-token logits — `HFStepper` (any HF causal LM,
-through its module and DynamicCache) and `LeanStepper` (Qwen2 / Llama as flat torch ops).
+"""Decode-step pieces of the built-in torch engine (torch_engine.py): sampling, and two steppers
+that turn a token per row into next-token logits — `HFStepper` (any HF causal LM, through its
+module and DynamicCache) and `LeanStepper` (Qwen2 / Llama as flat torch ops).
 
-Sampling is the exponential race that `torch.multinomial(p, 1)` itself runs on CPU
-(argmax p / E with E ~ Exp(1), i.e. Gumbel-max: argmax z + G with G = -log E, E = -log U), so a
-token is drawn from exactly the processed distribution. What changes is where the noise comes
-from: each seeded completion owns a `torch.Generator` and draws its noise for `chunk` steps at once, one call
-per row every `chunk` steps instead of one `multinomial` call per row and step (at batch 64 the
-per-row calls were ~30 % of a rollout). `chunk` depends only on the vocabulary size, never on the
-batch, so a completion's tokens do not depend on the rest of the batch. The concrete draws for a
-given seed differ from the previous per-step `multinomial` engine; the distribution does not.
+Sampling is inverse-CDF sampling with one uniform per row and step: token y is the first v whose
+running sum of p = softmax(z) exceeds u ~ U[0, 1) (cumulated in float64), so y is drawn from
+exactly the processed distribution, and a token of probability 0 (a truncated one) can never be
+the first to exceed u. Departure from the previous engine (Gumbel-max, the race
+`torch.multinomial` runs on CPU): one uniform per step instead of one per vocabulary entry (at
+64 rows × 32 steps × V = 104 drawing and log-transforming the Gumbel noise was ~0.8 ms of an
+~12 ms rollout), and a per-step pass the native sampler (lean_step.cpp `sample_step`) fuses with
+the log-prob and the stop check. The draws for a given seed differ from the Gumbel engine's; the
+distribution does not.
 
-The log-prob of the chosen token is `z[y] - logsumexp(z)` on the processed logits: one
-reduction per step instead of a full [B, V] log-softmax.
+Each seeded completion owns a `torch.Generator` that draws its budget's uniforms once, so a
+completion does not depend on the rest of the batch; unseeded rows share one `torch.rand` call
+(the global generator, checkpointed by the trainer).
+
+The log-prob of the chosen token is `z[y] - logsumexp(z)` on the processed logits.
 """
 from __future__ import annotations
 
@@ -20,63 +24,47 @@ from typing import List, Optional
 
 import torch
 
-# Per-row noise buffer, in elements: 256 Ki floats = 1 MiB a row; with V = 151 936 that is one
-# step at a time, with the tiny demo vocabulary (V ≈ 100) every step of a 256-token budget at once.
-NOISE_ELEMS_PER_ROW = 1 << 18
+
+def uniforms(gens: List[Optional[torch.Generator]], steps: int, device) -> torch.Tensor:
+    """u [rows, steps] in [0, 1): row r from gens[r] when it has one (its own stream: the same
+    seed gives the same uniforms whatever the batch), else from the global generator."""
+    u = torch.empty((len(gens), steps), dtype=torch.float32, device=device)
+    unseeded = [r for r, g in enumerate(gens) if g is None]
+    for r, g in enumerate(gens):
+        if g is not None:
+            u[r].uniform_(generator=g)
+    if len(unseeded) == len(gens):
+        u.uniform_()
+    elif unseeded:
+        u[torch.tensor(unseeded, device=device)] = torch.rand((len(unseeded), steps), device=device)
+    return u
 
 
-def noise_chunk(vocab: int, max_new_tokens: int) -> int:
-    """Steps of noise drawn per call; a function of (vocab, budget) only (batch independence)."""
-    return max(1, min(max_new_tokens, NOISE_ELEMS_PER_ROW // vocab))
+def check_finite(lse: torch.Tensor, step: int) -> None:
+    """A row whose logits hold a NaN or +inf, or are all -inf, has no distribution to draw from."""
+    bad = ~torch.isfinite(lse)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"sampling: the logits of batch row {i} at step {step} are not finite (a NaN, a +inf, "
+                         "or every token masked to -inf): no token can be drawn")
 
 
-class GumbelNoise:
-    """Per-row Gumbel noise [rows, chunk, V], refilled every `chunk` steps; rows follow compaction."""
-
-    def __init__(self, gens: List[Optional[torch.Generator]], vocab: int, chunk: int, device):
-        self.gens = list(gens)
-        self.vocab, self.chunk, self.device = vocab, chunk, device
-        self.buf: Optional[torch.Tensor] = None
-
-    def select(self, keep: torch.Tensor, keep_list: List[int]) -> None:
-        self.gens = [self.gens[i] for i in keep_list]
-        if self.buf is not None:
-            self.buf = self.buf[keep]
-
-    def at(self, step: int) -> torch.Tensor:
-        """Noise for `step` (0-based), [rows, V]."""
-        j = step % self.chunk
-        if j == 0:
-            self._refill()
-        return self.buf[:, j]
-
-    def _refill(self) -> None:
-        rows = len(self.gens)
-        u = torch.empty((rows, self.chunk, self.vocab), dtype=torch.float32, device=self.device)
-        unseeded = [r for r, g in enumerate(self.gens) if g is None]
-        for r, g in enumerate(self.gens):
-            if g is not None:
-                u[r].uniform_(generator=g)
-        if unseeded:
-            idx = torch.tensor(unseeded, device=self.device)
-            u[idx] = torch.rand((len(unseeded), self.chunk, self.vocab), device=self.device)
-        # E = -log U ~ Exp(1) (uniform_ is ~7x cheaper than exponential_ on CPU: 7 vs 50 µs for
-        # 32 x 104). U = 0 would give E = inf and Gumbel -inf, which could leave a row whose only
-        # kept token drew it with nothing finite to pick: floor U at the smallest normal float.
-        self.buf = u.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_().log_().neg_()
-
-
-def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: Optional[torch.Tensor],
-         process) -> tuple:
+def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: Optional[torch.Tensor],
+         process, step: int = 0) -> tuple:
     """(token [B], log-prob [B]) from float32 logits [B, V]. Greedy when temperature == 0 (τ = 1
-    log-probs); else a draw from `process(logits, τ, top_k, top_p)` with Gumbel `noise` [B, V]."""
+    log-probs); else an inverse-CDF draw with uniforms `u` [B] from the distribution
+    `process(logits, τ, top_k, top_p)` defines. Non-finite rows: ValueError (see check_finite)."""
+    z = logits if temperature == 0 else process(logits, temperature, top_k, top_p)
+    lse = torch.logsumexp(z, dim=-1)
+    check_finite(lse, step)
     if temperature == 0:
-        z = logits
         nxt = z.argmax(-1)
     else:
-        z = process(logits, temperature, top_k, top_p)
-        nxt = (z + noise).argmax(-1)
-    lp = z.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
+        cdf = (z - lse[:, None]).exp().double().cumsum(-1)
+        # u < 1 in float32, so u · cdf[-1] < cdf[-1] in float64: some entry exceeds the target,
+        # and the first that does has a probability > 0
+        nxt = torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:], right=True)[:, 0]
+    lp = z.gather(-1, nxt[:, None])[:, 0] - lse
     return nxt, lp
 
 
@@ -95,6 +83,11 @@ class HFStepper:
     def select(self, keep: torch.Tensor) -> None:
         self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
+
+    def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int) -> torch.Tensor:
+        return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
+                                     self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
+                                     self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps))
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
@@ -143,6 +136,17 @@ class LeanStepper:
                 and getattr(rope, "rope_type", "default") not in _DYNAMIC_ROPE
                 and all(t == "full_attention" for t in layer_types))
 
+    @staticmethod
+    def native_module(model, device) -> Optional[object]:
+        """lean_step.cpp's module where the native step applies to `model` (float32 on CPU, an
+        even head dim, one intra-op thread) and builds, else None."""
+        if (model.model.embed_tokens.weight.dtype != torch.float32 or torch.device(device).type != "cpu"
+                or model.model.layers[0].self_attn.head_dim % 2 or torch.get_num_threads() != 1):
+            return None
+        from ._native import lean_step_module
+
+        return lean_step_module()
+
     def __init__(self, model, cache, mask: torch.Tensor, max_new_tokens: int, native: bool = True):
         cfg, base = model.config, model.model
         attn0 = base.layers[0].self_attn
@@ -172,18 +176,13 @@ class LeanStepper:
         # the native step (lean_step.cpp): float32 on CPU, where it builds, on one thread (the
         # engine's choice for small steps; it is single-threaded, MKL's GEMMs are not); it keeps
         # the K cache transposed ([B, Hkv, D, S]) and the weight matrices transposed ([in, out])
-        self.native = None
-        if (native and dtype == torch.float32 and mask.device.type == "cpu" and self.head_dim % 2 == 0
-                and torch.get_num_threads() == 1):
-            from ._native import lean_step_module
-
-            self.native = lean_step_module()
+        self.native = self.native_module(model, mask.device) if native else None
         shape = (B, self.n_kv, size, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in self.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         if self.native is not None:  # K stored transposed: a [B, Hkv, D, S] buffer, seen as [B, Hkv, S, D]
             self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
-        for i in range(len(self.layers)):
+        for i in range(len(self.layers) if cache is not None else 0):  # None: native_prefill fills them
             self.k[i][:, :, :width] = cache.layers[i].keys
             self.v[i][:, :, :width] = cache.layers[i].values
         if self.native is not None:
@@ -209,6 +208,28 @@ class LeanStepper:
         self.cos_t = (emb.cos() * self.rope_scale).to(dtype)
         self.sin_t = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
 
+    @classmethod
+    def native_prefill(cls, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
+        """(stepper, last-position logits [rows, V]) for left-padded prompts `ids` / `mask`
+        [rows, width], the prompt run through the native step a position at a time; None where
+        the native step is not available (the caller then runs the HF forward and `__init__`).
+
+        Why: for a GRPO batch's few distinct ~10-token prompts the HF forward (module tree, mask
+        builders, SDPA) plus copying its DynamicCache into the static one cost ~1.5 ms of a ~10 ms
+        rollout; `width` native steps on a handful of rows cost ~0.3 ms and write the static
+        cache in place. Positions and masking are the HF prefill's (position = index among the
+        row's real tokens; a left-pad query sees no key and attends to nothing, see lean_step.cpp),
+        so the cache and logits agree with it up to float32 rounding (tests compare them)."""
+        if cls.native_module(model, mask.device) is None:
+            return None
+        stepper = cls(model, None, mask, max_new_tokens)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, pos = ids.t().contiguous(), pos.t().contiguous()  # a contiguous column per position
+        logits = None
+        for s in range(mask.shape[1]):
+            logits = stepper._native_step(ids[s], pos[s], s)
+        return stepper, logits
+
     def select(self, keep: torch.Tensor) -> None:
         self.k = [k[keep] for k in self.k]
         self.v = [v[keep] for v in self.v]
@@ -221,15 +242,18 @@ class LeanStepper:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * h.to(x.dtype)
 
+    def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int) -> torch.Tensor:
+        return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
+                                     self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
+                                     self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps))
+
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         """Logits [b, V] (float32) after feeding token `ids` [b] at positions `pos` [b] into cache
         slot `width + slot`."""
         b, D, s = ids.shape[0], self.head_dim, self.width + slot
         nh, nkv, g = self.n_heads, self.n_kv, self.n_heads // self.n_kv
         if self.native is not None:
-            return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
-                                         self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
-                                         nh, nkv, D, float(self.scaling), float(self.eps))
+            return self._native_step(ids, pos, s)
         x = self.embed[ids]
         cos, sin = self.cos_t[pos][:, None, :], self.sin_t[pos][:, None, :]
         half = D // 2

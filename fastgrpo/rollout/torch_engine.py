@@ -6,14 +6,21 @@ position ids (so padding does not shift positions) and the HF cache. Sampling fo
 order — logits in float32 → / temperature → top-k → top-p → sample — and reports the log-prob of
 the sampled token under that processed distribution (see base.py for what top-k / top-p do to
 it). Each completion with a seed gets its own `torch.Generator`, so a completion does not depend
-on the rest of the batch (_decode.py: per-row Gumbel noise, drawn several steps at a time).
+on the rest of the batch (_decode.py: per-row uniforms for inverse-CDF draws, one call per row).
 
 Tuned for tiny models on CPU, where framework overhead, not FLOPs, sets the pace (see
 benchmarks/bench_rollout.py): the prefill runs once per distinct prompt and its cache is expanded
 to the G completions of the group (vLLM's prefix cache does the same job); finished rows leave the
 batch at once (compaction, like a continuous-batching scheduler that admits nothing new); the
 bookkeeping is one vectorised op per step instead of a Python loop over rows; tiny decode steps
-run on one intra-op thread (see `_threads`).
+run on one intra-op thread (see `_threads`). With decoder="auto" on CPU float32 the native module
+(lean_step.cpp) also prefills Qwen2 / Llama prompts (`LeanStepper.native_prefill`) and runs each
+step's sampling, log-prob, stop check and bookkeeping writes in one call (`sample_step`); at 8
+prompts × 8 samples × 32 tokens on the demo model that took a trainer rollout from ~11.6 to
+~7 ms on one thread (the rest is the decode steps' GEMMs).
+
+A row whose logits hold a NaN or +inf, or are all -inf, has no distribution to sample: both
+samplers raise ValueError naming the row and step (vLLM would emit some token).
 
 Departures from vLLM: no continuous batching (no new requests join a running batch), no prefix
 cache across calls; stop strings are matched on the decoded completion. Weight updates are
@@ -27,7 +34,7 @@ from typing import List, Optional
 
 import torch
 
-from fastgrpo.rollout._decode import GumbelNoise, HFStepper, LeanStepper, noise_chunk, pick
+from fastgrpo.rollout._decode import HFStepper, LeanStepper, pick, uniforms
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 # Decode steps below this many FLOPs (2 · parameters · batch) run on one thread (see _threads).
@@ -109,6 +116,12 @@ class TorchEngine(RolloutEngine):
     def close(self) -> None:
         self.model = None
 
+    def _n_params(self) -> int:
+        # parameter counts do not change under a rollout engine (weights are copied in place)
+        if getattr(self, "_params_of", None) is not self.model:
+            self._params_of, self._params = self.model, sum(p.numel() for p in self.model.parameters())
+        return self._params
+
     def _threads(self, batch: int) -> int:
         """Intra-op threads for decoding a batch: the constructor's `num_threads`, else 1 when a
         decode step is small (< 1 GFLOP: every size up to hidden 256, 4 layers, batch 128).
@@ -119,8 +132,7 @@ class TorchEngine(RolloutEngine):
         the machine was idle (252 vs 417 ms) and lost 20x when it was not (10.3 s vs 0.48 s)."""
         if self.num_threads is not None:
             return self.num_threads
-        n_params = sum(p.numel() for p in self.model.parameters())
-        return 1 if 2 * n_params * batch < _SMALL_STEP_FLOP else torch.get_num_threads()
+        return 1 if 2 * self._n_params() * batch < _SMALL_STEP_FLOP else torch.get_num_threads()
 
     def _sample(self, prompt_ids, sampling: SamplingConfig, max_new_tokens: int, seeds) -> List[Completion]:
         out: List[Completion] = []
@@ -135,7 +147,8 @@ class TorchEngine(RolloutEngine):
         was_training = model.training
         threads = torch.get_num_threads()
         want = self._threads(len(prompt_ids)) if device.type == "cpu" else threads
-        model.eval()
+        # model.eval() (a walk over every submodule, ~0.1 ms a rollout on the demo model) only
+        # where the HF module runs (_prefill); the native prefill and lean steps read weights only
         try:
             if want != threads:
                 torch.set_num_threads(want)
@@ -144,12 +157,15 @@ class TorchEngine(RolloutEngine):
         finally:
             if want != threads:
                 torch.set_num_threads(threads)
-            model.train(was_training)
+            if model.training != was_training:
+                model.train(was_training)
 
-    def _prefill(self, model, device, prompt_ids):
-        """One forward over the *distinct* prompts (a GRPO group repeats its prompt G times), then
-        the cache and last logits are expanded to one row per completion. Every distinct prompt is
-        still left-padded to the width of the whole batch, as without dedup."""
+    def _prefill(self, model, device, prompt_ids, max_new_tokens: int):
+        """(stepper, last logits [B, V], next positions [B]) after one prefill over the *distinct*
+        prompts (a GRPO group repeats its prompt G times), the caches and logits then expanded to
+        one row per completion. Every distinct prompt is still left-padded to the width of the
+        whole batch, as without dedup. decoder="auto" on a Qwen2 / Llama model with the native
+        step prefills through it (LeanStepper.native_prefill); otherwise the HF forward."""
         index, uniq, inv = {}, [], []
         for p in prompt_ids:
             key = tuple(p)
@@ -164,53 +180,91 @@ class TorchEngine(RolloutEngine):
             ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
             mask[r, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = res.past_key_values, res.logits[:, -1, :].float()
-        if len(uniq) < len(prompt_ids):
-            inv_t = torch.tensor(inv, dtype=torch.long, device=device)
-            cache.batch_select_indices(inv_t)
-            logits, mask, pos = logits[inv_t], mask[inv_t], pos[inv_t]
-        return cache, logits, mask, pos[:, -1] + 1
+        lean = self.decoder != "hf" and LeanStepper.supports(model)
+        native = None
+        if lean and self.decoder == "auto":
+            native = LeanStepper.native_prefill(model, ids, mask, max_new_tokens)
+        inv_t = torch.tensor(inv, dtype=torch.long, device=device) if len(uniq) < len(prompt_ids) else None
+        if native is not None:
+            stepper, logits = native
+            if inv_t is not None:
+                stepper.select(inv_t)
+        else:
+            model.eval()  # _sample_batch restores the mode
+            res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+            cache, logits = res.past_key_values, res.logits[:, -1, :].float()
+            if inv_t is not None:
+                cache.batch_select_indices(inv_t)
+                mask = mask[inv_t]
+            if lean:
+                stepper = LeanStepper(model, cache, mask, max_new_tokens, native=self.decoder == "auto")
+            else:
+                stepper = HFStepper(model, cache, mask)
+        if inv_t is not None:
+            logits, pos = logits[inv_t], pos[inv_t]
+        return stepper, logits, pos[:, -1] + 1
+
+    def _native_sampler(self, device, logits: torch.Tensor):
+        """lean_step.cpp's `sample_step` for decoder="auto" on CPU float32 logits where it builds
+        (FASTGRPO_NATIVE_DECODE=0 keeps `pick`); "lean" and "hf" keep `pick` (the reference)."""
+        if self.decoder != "auto" or device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        from ._native import lean_step_module
+
+        return lean_step_module()
 
     def _loop(self, model, device, prompt_ids, sampling, max_new_tokens, seeds) -> List[Completion]:
         B = len(prompt_ids)
         stop_t = torch.tensor(sorted(self.eos_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=device)
-        cache, logits, mask, next_pos = self._prefill(model, device, prompt_ids)
-        if self.decoder != "hf" and LeanStepper.supports(model):
-            stepper = LeanStepper(model, cache, mask, max_new_tokens, native=self.decoder == "auto")
-        else:
-            stepper = HFStepper(model, cache, mask)
-        noise = None
-        if sampling.temperature > 0:
+        stepper, logits, next_pos = self._prefill(model, device, prompt_ids, max_new_tokens)
+        native = self._native_sampler(device, logits)
+        temperature = float(sampling.temperature)
+        # uniforms for every step, indexed by original row (compaction leaves them in place)
+        u = None
+        if temperature > 0:
             gens = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
-            noise = GumbelNoise(gens, logits.shape[-1], noise_chunk(logits.shape[-1], max_new_tokens), device)
+            u = uniforms(gens, max_new_tokens, device)
+        # top-k / top-p: the truncated logits come from process_logits, and the native sampler
+        # draws from them at τ = 1; otherwise it divides by τ itself
+        truncate = temperature > 0 and (0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1.0)
+        u_native = u if u is not None else torch.empty((0, 0), dtype=torch.float32, device=device)
         out_tok = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         length = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(B, dtype=torch.bool, device=device)
         rows = torch.arange(B, device=device)          # original row of each batch row
-        small_step = 2 * sum(p.numel() for p in model.parameters()) * B < _SMALL_STEP_FLOP
+        small_step = 2 * self._n_params() * B < _SMALL_STEP_FLOP
         alive = torch.ones(B, dtype=torch.bool, device=device)
+        nxt = torch.empty(B, dtype=torch.long, device=device)
         n_alive = B
         for t in range(max_new_tokens):
-            nxt, lp = pick(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                           None if noise is None else noise.at(t), process_logits)
-            out_tok[rows, t] = nxt      # finished rows still in the batch write past their length
-            out_lp[rows, t] = lp
-            done = torch.isin(nxt, stop_t) & alive
+            if native is not None:
+                # draw, log-prob, out_tok / out_lp writes and the stop-token check in one call
+                if truncate:
+                    z, tau = process_logits(logits, temperature, sampling.top_k, sampling.top_p), 1.0
+                else:
+                    z, tau = logits, temperature
+                n_done = native.sample_step(z.contiguous(), tau, u_native, t, rows, stop_t, nxt, alive, out_tok,
+                                            out_lp, length, stopped)
+            else:
+                nxt, lp = pick(logits, temperature, sampling.top_k, sampling.top_p,
+                               None if u is None else u[rows, t], process_logits, t)
+                out_tok[rows, t] = nxt      # finished rows still in the batch write past their length
+                out_lp[rows, t] = lp
+                done = torch.isin(nxt, stop_t) & alive
+                n_done = int(done.sum())
+                if n_done:
+                    fin = rows[done]
+                    length[fin] = t + 1
+                    stopped[fin] = True
+                    alive &= ~done
             if sampling.stop:
                 live = alive.tolist()
                 for i, r in enumerate(rows.tolist()):
-                    if live[i] and not done[i] and any(s in self._decode(out_tok[r, :t + 1].tolist())
-                                                       for s in sampling.stop):
-                        done[i] = True
-            n_done = int(done.sum())
-            if n_done:
-                fin = rows[done]
-                length[fin] = t + 1
-                stopped[fin] = True
-                alive &= ~done
-                n_alive -= n_done
+                    if live[i] and any(s in self._decode(out_tok[r, :t + 1].tolist()) for s in sampling.stop):
+                        alive[i], length[r], stopped[r] = False, t + 1, True
+                        n_done += 1
+            n_alive -= n_done
             if t + 1 == max_new_tokens or n_alive == 0:
                 break
             if len(rows) - n_alive >= _compact_at(len(rows), small_step):
@@ -218,10 +272,8 @@ class TorchEngine(RolloutEngine):
                 # compaction: finished rows leave the batch, so the long tail computes live rows only
                 rows, nxt, next_pos, alive = rows[keep], nxt[keep], next_pos[keep], alive[keep]
                 stepper.select(keep)
-                if noise is not None:
-                    noise.select(keep, keep.tolist())
             logits = stepper.step(nxt, next_pos, t)
-            next_pos = next_pos + 1
+            next_pos.add_(1)
         toks, lps = out_tok.tolist(), out_lp.tolist()
         lens, stop = length.tolist(), stopped.tolist()
         return [Completion(toks[r][:lens[r]], lps[r][:lens[r]], "stop" if stop[r] else "length",

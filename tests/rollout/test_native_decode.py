@@ -205,3 +205,36 @@ def test_ninja_from_the_venv_when_path_has_none(monkeypatch):
     assert shutil.which("ninja") is not None
     env.ninja_on_path()  # idempotent: found now, PATH untouched
     assert os.environ["PATH"].count(ninja.BIN_DIR) == 1
+
+
+@pytest.mark.parametrize("arch,heads,kv,head_dim", [("qwen2", 2, 1, 32), ("llama", 4, 2, 16)])
+def test_native_prefill_equals_the_hf_forward(arch, heads, kv, head_dim):
+    """LeanStepper.native_prefill (the prompt fed a position at a time through the native step,
+    left-pad queries attending to nothing) against the HF forward the engine otherwise runs:
+    same last logits, same cache on the real positions, and the same next step."""
+    model, _ = _model(arch, heads, kv, head_dim)
+    B, W = 5, 9
+    ids = torch.randint(3, 40, (B, W), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(B, W, dtype=torch.long)
+    mask[0, :6] = 0  # a short prompt: six pads
+    mask[2, :1] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        nat, logits = LeanStepper.native_prefill(model, ids, mask, 6)
+        res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        ref = LeanStepper(model, res.past_key_values, mask, 6, native=True)
+        assert torch.isfinite(logits).all()
+        torch.testing.assert_close(logits, res.logits[:, -1].float(), rtol=1e-4, atol=2e-5)
+        real = mask.bool()
+        for i in range(len(nat.k)):
+            assert torch.isfinite(nat.k[i]).all() and torch.isfinite(nat.v[i]).all()  # pads too
+            k_nat, k_ref = nat.k[i].transpose(2, 3)[:, :, :W], ref.k[i].transpose(2, 3)[:, :, :W]
+            torch.testing.assert_close(k_nat.permute(0, 2, 1, 3)[real], k_ref.permute(0, 2, 1, 3)[real],
+                                       rtol=1e-4, atol=2e-5)
+            torch.testing.assert_close(nat.v[i][:, :, :W].permute(0, 2, 1, 3)[real],
+                                       ref.v[i][:, :, :W].permute(0, 2, 1, 3)[real], rtol=1e-4, atol=2e-5)
+        nxt = logits.argmax(-1)
+        torch.testing.assert_close(nat.step(nxt, pos[:, -1] + 1, 0), ref.step(nxt, pos[:, -1] + 1, 0),
+                                   rtol=1e-4, atol=2e-5)
+        torch.set_num_threads(2)  # no native step: the caller runs the HF forward
+        assert LeanStepper.native_prefill(model, ids, mask, 6) is None

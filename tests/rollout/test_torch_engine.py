@@ -228,20 +228,6 @@ def test_unsupported_architecture_falls_back_to_the_hf_module():
         assert grp[0].token_ids == _hf_greedy(model, tok, p, 6), p
 
 
-def test_gumbel_sampling_follows_the_processed_distribution():
-    from fastgrpo.rollout._decode import GumbelNoise, pick
-
-    n, logits = 20000, torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, -3.0])
-    z = logits.expand(n, -1).contiguous()
-    noise = GumbelNoise([None] * n, logits.numel(), chunk=1, device="cpu")
-    tok, lp = pick(z, 0.7, 4, 1.0, noise.at(0), process_logits)
-    want = process_logits(logits[None], 0.7, 4, 1.0).softmax(-1)[0]
-    freq = torch.bincount(tok, minlength=logits.numel()).float() / n
-    assert (freq - want).abs().max() < 0.015, (freq, want)          # 4.5 σ at p = 0.5
-    assert freq[[3, 5]].sum() == 0                                  # top-k cut tokens never drawn
-    torch.testing.assert_close(lp, want.log()[tok])
-
-
 def test_threads_are_restored_and_arguments_checked():
     model, tok = _model("qwen2", 32)
     before = torch.get_num_threads()
@@ -256,6 +242,9 @@ def test_threads_are_restored_and_arguments_checked():
         TorchEngine(model, tok, decoder="vllm")
 
 
+STOPS = ("5", "x")
+
+
 @pytest.mark.parametrize("compact", [None, "never"])
 def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
     """Stop strings are checked on live rows only: a finished row that rides along in the batch
@@ -267,7 +256,8 @@ def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
     model, tok = _model("qwen2", 32, seed=17)
     eng = TorchEngine(model, tok)
     eng.eos_ids = set()
-    s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop=("1", "7"))
+    # strings these seeds' completions contain at different steps (some rows never: "length")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=16, stop=STOPS)
     seeds = [5 * i + 2 for i in range(len(MIXED))]
     batched = _outputs(eng, MIXED, s, seeds)
     assert "stop" in {c.finish_reason for c in batched} and len({len(c.token_ids) for c in batched}) > 1
@@ -275,7 +265,7 @@ def test_stop_strings_with_finished_rows_in_the_batch(monkeypatch, compact):
         alone = _outputs(eng, [p], s, [seed])[0]
         assert alone.token_ids == c.token_ids and alone.finish_reason == c.finish_reason
         if c.finish_reason == "stop":
-            assert c.text.endswith(("1", "7")) and not any(x in c.text[:-1] for x in ("1", "7"))
+            assert c.text.endswith(STOPS) and not any(x in c.text[:-1] for x in STOPS)
 
 
 def test_compaction_threshold_depends_on_the_step_size():
