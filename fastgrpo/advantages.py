@@ -44,8 +44,9 @@ def _as_groups(rewards, group_size: int) -> torch.Tensor:
     if flat.numel() % group_size != 0:
         raise ValueError(f"rewards: length {flat.numel()} is not a multiple of group_size={group_size} "
                          "(each prompt's completions must be consecutive and complete)")
-    if flat.numel() and not bool(torch.isfinite(flat.double()).all()):
-        i = int((~torch.isfinite(flat.double())).nonzero()[0])
+    # isfinite on the values as given: a float32 / float16 value is finite iff its float64 copy is
+    if flat.numel() and not bool(torch.isfinite(flat).all()):
+        i = int((~torch.isfinite(flat)).nonzero()[0])
         raise ValueError(f"rewards: non-finite value {float(flat[i])} at index {i}; expected finite rewards "
                          "(score failed verifications as 0 or a penalty)")
     dtype = flat.dtype if flat.dtype.is_floating_point else torch.float32
@@ -97,9 +98,8 @@ def compute_advantages(rewards: Union[torch.Tensor, Sequence[float]], group_size
             adv = adv / (sigma + eps)
     # σ = 0 groups: exactly zero (a group-mean baseline there is the common value; float round-off
     # of that mean must not become a signal)
-    same = (r == r[:, :1]).all(dim=1, keepdim=True)
     if baseline == "group" or estimator == "rloo":
-        adv = torch.where(same, torch.zeros((), dtype=adv.dtype, device=adv.device), adv)
+        adv = adv.masked_fill_((r == r[:, :1]).all(dim=1, keepdim=True), 0.0)  # adv is a fresh tensor
     return adv.reshape(-1) if flat_out else adv
 
 

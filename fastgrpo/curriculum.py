@@ -141,6 +141,8 @@ class Curriculum:
             raise ValueError(f"min_weight={self.min_weight!r}: expected a float in (0, 1]")
         self.prompt_ids = ids
         self._stats = {pid: _Stats() for pid in ids}
+        self._hist_names: Dict[tuple, tuple] = {}  # (bin edges, metric names) per (bins, prefix)
+        self._rebuild()
 
     def pass_rate(self, pid: Hashable) -> float:
         """EMA pass rate of a prompt (the prior before its first update)."""
@@ -166,16 +168,66 @@ class Curriculum:
             s.ema = rate if s.ema is None else self.ema_decay * s.ema + (1 - self.ema_decay) * rate
             if self.prune_above is not None and s.attempts >= self.min_attempts and s.ema > self.prune_above:
                 s.pruned = True
+        self._dirty.update(groups)
+
+    # The trainer samples and logs the histogram every step; recomputing weights, active ids and
+    # pass rates from the per-prompt stats each time walked every prompt of the dataset (2300 on
+    # the demo task: ~0.3 ms a step on a busy CPU). These arrays, aligned with `prompt_ids`, are
+    # derived from `_stats`: `update` only notes the prompts it touched, and the next read
+    # refreshes those entries in one vectorised pass. They hold the float64 values the full
+    # recomputation gives (the same elementwise operations), so the draws are unchanged.
+    def _rebuild(self) -> None:
+        n = len(self.prompt_ids)
+        self._pos = {pid: k for k, pid in enumerate(self.prompt_ids)}
+        self._raw = np.empty(n, dtype=np.float64)  # max(1 − pass rate, min_weight)
+        self._ema = np.zeros(n, dtype=np.float64)
+        self._seen = np.zeros(n, dtype=bool)
+        self._pruned = np.zeros(n, dtype=bool)
+        self._key = (self.prior, self.min_weight)
+        self._active = None
+        self._dirty = set()
+        self._write(list(self.prompt_ids))
+
+    def _write(self, pids: List[Hashable]) -> None:
+        if not pids:
+            return
+        stats = [self._stats[p] for p in pids]
+        k = np.fromiter((self._pos[p] for p in pids), dtype=np.int64, count=len(pids))
+        seen = np.fromiter((s.ema is not None for s in stats), dtype=bool, count=len(pids))
+        ema = np.fromiter((self.prior if s.ema is None else s.ema for s in stats), dtype=np.float64, count=len(pids))
+        self._raw[k] = np.maximum(1.0 - ema, self.min_weight)
+        self._ema[k] = np.where(seen, ema, 0.0)
+        self._seen[k] = seen
+        pruned = np.fromiter((s.pruned for s in stats), dtype=bool, count=len(pids))
+        if (self._pruned[k] != pruned).any():
+            self._pruned[k] = pruned
+            self._active = None  # the active list changes only when a prompt is retired
+
+    def _active_index(self):
+        """(active ids, their positions in `prompt_ids`), with the arrays brought up to date."""
+        if self._key != (self.prior, self.min_weight):
+            self._rebuild()  # prior / min_weight changed: every weight moves
+        elif self._dirty:
+            self._write(list(self._dirty))
+            self._dirty = set()
+        if self._active is None:
+            idx = np.flatnonzero(~self._pruned)
+            self._active = ([self.prompt_ids[k] for k in idx.tolist()], idx)
+        return self._active
 
     def active_ids(self) -> List[Hashable]:
-        return [pid for pid in self.prompt_ids if not self._stats[pid].pruned]
+        return list(self._active_index()[0])
 
     def weights(self, ids: Optional[Sequence[Hashable]] = None) -> np.ndarray:
-        ids = self.active_ids() if ids is None else ids
+        if ids is None:
+            ids, idx = self._active_index()
+        else:
+            self._active_index()  # brings the arrays up to date
+            idx = np.fromiter((self._pos[p] for p in ids), dtype=np.int64, count=len(ids))
         if self.weighting == "uniform":
             w = np.ones(len(ids))
         else:
-            w = np.maximum(np.array([1.0 - self.pass_rate(p) for p in ids], dtype=np.float64), self.min_weight)
+            w = self._raw[idx]
         return w / w.sum() if len(ids) else w
 
     def sample(self, batch_size: int, rng=None) -> List[Hashable]:
@@ -183,24 +235,34 @@ class Curriculum:
         when enough prompts are active, with replacement otherwise."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
-        ids = self.active_ids()
+        ids = self._active_index()[0]
         if not ids:
             raise ValueError("Curriculum.sample: every prompt is pruned (pass rate > prune_above); "
                              "raise prune_above or add prompts")
         g = _rng(rng)
-        idx = g.choice(len(ids), size=batch_size, replace=batch_size > len(ids), p=self.weights(ids))
-        return [ids[i] for i in idx]
+        idx = g.choice(len(ids), size=batch_size, replace=batch_size > len(ids), p=self.weights())
+        return [ids[i] for i in idx.tolist()]
 
     def histogram(self, bins: int = 10, prefix: str = "curriculum") -> Dict[str, float]:
         """Metrics: share of seen prompts per pass-rate bin, plus seen / pruned fractions."""
-        seen = [s.ema for s in self._stats.values() if s.ema is not None]
-        hist, edges = np.histogram(seen, bins=bins, range=(0.0, 1.0))
-        n = len(self._stats)
-        out = {f"{prefix}/pass_rate_hist/{edges[i]:.1f}-{edges[i + 1]:.1f}": (hist[i] / len(seen) if seen else 0.0)
-               for i in range(bins)}
-        out[f"{prefix}/seen_frac"] = len(seen) / n
-        out[f"{prefix}/pruned_frac"] = sum(s.pruned for s in self._stats.values()) / n
-        out[f"{prefix}/pass_rate_mean"] = float(np.mean(seen)) if seen else 0.0
+        self._active_index()  # brings the arrays up to date
+        seen = self._ema[self._seen]  # in prompt order, as the stats are
+        cached = self._hist_names.get((bins, prefix))
+        if cached is None:
+            edges = np.histogram_bin_edges([], bins=bins, range=(0.0, 1.0))
+            cached = self._hist_names[(bins, prefix)] = (
+                edges, [f"{prefix}/pass_rate_hist/{edges[i]:.1f}-{edges[i + 1]:.1f}" for i in range(bins)])
+        edges, names = cached
+        # np.histogram's counts (edges[k] <= x < edges[k+1], the last bin closed, values outside
+        # [0, 1] left out) without its per-call overhead (~4x the cost of these four ops)
+        k = np.searchsorted(edges, seen[(seen >= 0.0) & (seen <= 1.0)], side="right") - 1
+        k[k == bins] = bins - 1
+        hist = np.bincount(k, minlength=bins).tolist()
+        n_seen, n = int(seen.size), len(self._stats)
+        out = {name: (h / n_seen if n_seen else 0.0) for name, h in zip(names, hist)}
+        out[f"{prefix}/seen_frac"] = n_seen / n
+        out[f"{prefix}/pruned_frac"] = int(np.count_nonzero(self._pruned)) / n
+        out[f"{prefix}/pass_rate_mean"] = float(np.mean(seen)) if n_seen else 0.0
         return out
 
     def state_dict(self) -> Dict[str, Any]:
@@ -214,3 +276,4 @@ class Curriculum:
             raise ValueError("state['ids']: the checkpoint's prompt ids differ from this curriculum's")
         self._stats = {pid: _Stats(int(a), int(w), None if e is None else float(e), bool(p))
                        for pid, (a, w, e, p) in zip(ids, stats)}
+        self._rebuild()

@@ -197,19 +197,23 @@ class Trainer(CheckpointMixin):
             # inner step); otherwise the old log-probs are the policy's own (K = 1: the detached
             # current ones; K > 1: scored before the first update)
             stale = self._engine_stale
+            # one tokenizer call for every prompt not seen yet (a call per prompt cost ~0.1 ms each)
+            new = list({p.id: p.prompt for p in problems if p.id not in self._prompt_ids}.items())
+            if new:
+                toks = self.tokenizer([text for _, text in new], add_special_tokens=False)["input_ids"]
+                self._prompt_ids.update(zip((i for i, _ in new), toks))
+            adv_rows = adv.tolist()  # Python floats once, not a tensor index per completion
             prompts, comps, advs, ids, cmask, olps = [], [], [], [], [], []
             for i, (p, grp) in enumerate(zip(problems, groups)):
-                pid = self._prompt_ids.get(p.id)
-                if pid is None:
-                    pid = self._prompt_ids[p.id] = self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
                 if not keep[i]:
                     continue
+                pid = self._prompt_ids[p.id]
+                prompts += [pid] * len(grp)
+                advs += adv_rows[i]
                 for j, c in enumerate(grp):
-                    prompts.append(pid)
                     comps.append(c.token_ids)
-                    advs.append(float(adv[i, j]))
                     ids.append((p.id, j))
-                    cmask.append([float(m) for m in c.sampled_mask])  # forced tokens carry no gradient
+                    cmask.append(c.sampled_mask)  # 0/1: forced tokens carry no gradient
                     olps.append(c.logprobs if stale else None)
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             if self.world_size > 1:

@@ -91,3 +91,59 @@ def test_bad_arguments():
     c.update([1], [1.0])
     with pytest.raises(ValueError, match="pruned"):
         c.sample(1)
+
+
+def _weights_from_stats(c, ids):
+    """The weights recomputed from every prompt's pass rate (what `weights` did before it kept
+    them in arrays updated per prompt)."""
+    if c.weighting == "uniform":
+        w = np.ones(len(ids))
+    else:
+        w = np.maximum(np.array([1.0 - c.pass_rate(p) for p in ids], dtype=np.float64), c.min_weight)
+    return w / w.sum()
+
+
+def test_incremental_weights_match_a_full_recomputation_bit_for_bit():
+    rng = np.random.default_rng(3)
+    c = Curriculum(list(range(50)), prune_above=0.7, min_attempts=4, min_weight=0.1)
+    twin = Curriculum(list(range(50)), prune_above=0.7, min_attempts=4, min_weight=0.1)
+    for step in range(30):
+        ids = [int(i) for i in rng.integers(0, 50, 8) for _ in range(4)]
+        rewards = [float(x) for x in rng.random(len(ids)) < 0.6]
+        c.update(ids, rewards)
+        active = [p for p in c.prompt_ids if not c._stats[p].pruned]
+        assert c.active_ids() == active
+        assert np.array_equal(c.weights(), _weights_from_stats(c, active))  # identical bits: same draws
+        g1, g2 = np.random.default_rng(step), np.random.default_rng(step)
+        want = [active[i] for i in g2.choice(len(active), size=5, replace=False, p=_weights_from_stats(c, active))]
+        assert c.sample(5, g1) == want
+        if step == 10:
+            c.min_weight = 0.3  # a changed floor moves every weight
+        if step == 20:
+            twin.load_state_dict(json.loads(json.dumps(c.state_dict())))
+            twin.min_weight = c.min_weight
+            assert twin.active_ids() == c.active_ids() and np.array_equal(twin.weights(), c.weights())
+            assert twin.histogram() == c.histogram()
+    assert len(c.active_ids()) < 50  # some prompts were retired along the way
+    seen = [c.pass_rate(p) for p in c.prompt_ids if c._stats[p].ema is not None]
+    h = c.histogram()
+    counts, _ = np.histogram(seen, bins=10, range=(0.0, 1.0))
+    assert [h[k] for k in h if "/pass_rate_hist/" in k] == list(counts / len(seen))
+    assert h["curriculum/pass_rate_mean"] == float(np.mean(seen))
+    assert h["curriculum/pruned_frac"] == (50 - len(c.active_ids())) / 50
+    assert np.array_equal(c.weights([3, 1]), _weights_from_stats(c, [3, 1]))
+
+
+def test_histogram_counts_equal_numpy_histogram_at_bin_edges():
+    # ema_decay=0: the pass rate is the last group's, k/10 — on or next to every bin edge
+    # (3/10 = 0.3 lies below linspace's 0.30000000000000004, so it belongs to bin 0.2-0.3)
+    c = Curriculum(list(range(11)), ema_decay=0.0, prune_above=None)
+    c.update([k for k in range(11) for _ in range(10)], [float(j < k) for k in range(11) for j in range(10)])
+    rates = [c.pass_rate(k) for k in range(11)]
+    assert rates == [k / 10 for k in range(11)]
+    counts, _ = np.histogram(rates, bins=10, range=(0.0, 1.0))
+    h = c.histogram()
+    assert [h[k] for k in h if "/pass_rate_hist/" in k] == list(counts / 11)
+    assert h["curriculum/pass_rate_hist/0.2-0.3"] == 2 / 11 and h["curriculum/pass_rate_hist/0.9-1.0"] == 2 / 11
+    h5 = c.histogram(bins=5, prefix="x")
+    assert [h5[k] for k in h5 if "/pass_rate_hist/" in k] == list(np.histogram(rates, bins=5, range=(0.0, 1.0))[0] / 11)

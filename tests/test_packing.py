@@ -286,3 +286,54 @@ def test_packed_batch_names_still_importable_from_packing():
     assert fastgrpo.PackedBatch is packed.PackedBatch and fastgrpo.unpack is packed.unpack
     with pytest.raises(AttributeError):
         packing.no_such_name
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_batches_hold_each_sequence_and_its_values(share):
+    """Every micro-batch, shared or not, one or several per call: each sequence's prompt and
+    completion tokens sit at their positions, each logit index predicts its target, and the
+    per-token fields (gathered from one ragged array per field) are that sequence's values.
+    Prompts come as G references to one list (converted once), as equal but distinct lists
+    (still shared: grouping is by tokens) and as tensors."""
+    rng = random.Random(5)
+    prompts_u = [[rng.randrange(90) for _ in range(rng.randint(1, 6))] for _ in range(6)]
+    prompts_u[3] = list(prompts_u[2])
+    PR, C, A, M, O = [], [], [], [], []
+    for k, p in enumerate(prompts_u):
+        for g in range(4):
+            c = 0 if (k, g) == (1, 2) else rng.randint(1, 9)
+            PR.append(torch.tensor(p) if k == 5 else p)
+            C.append([rng.randrange(90) for _ in range(c)])
+            A.append(rng.uniform(-2, 2) if k != 4 else [rng.uniform(-2, 2) for _ in range(c)])
+            M.append([rng.randint(0, 1) for _ in range(c)])
+            O.append([rng.uniform(-5, 0) for _ in range(c)])
+    for budget in (10_000, 40):  # one micro-batch (input order kept) and several (gathered)
+        batches = P.build_packed_batches(PR, C, A, budget, completion_mask=M, old_logp=O, share_prefix=share,
+                                       attn_coef=64.0, allow_oversize=True)
+        assert sorted(i for b in batches for i in b.seq_index.tolist()) == list(range(len(PR)))
+        assert (len(batches) > 1) == (budget == 40)
+        for b in batches:
+            ids, pos = b.input_ids.tolist(), b.position_ids.tolist()
+            li, tg = b.logit_index.tolist(), b.targets.tolist()
+            assert b.mask.nonzero()[:, 0].tolist() == sorted(x + 1 for x in li) or share
+            n = 0
+            for s, i in enumerate(b.seq_index.tolist()):
+                p, c = list(map(int, PR[i])), C[i]
+                assert b.prompt_lens[s] == len(p) and b.completion_lens[s] == len(c)
+                assert tg[n:n + len(c)] == c
+                for j in range(len(c)):
+                    t = li[n + j] + 1 if j else None
+                    if j:  # a completion token sits right after the one before it, at position P + j
+                        assert ids[t] == c[j] and pos[t] == len(p) + j and b.mask[t]
+                    first = li[n]  # the first token is predicted from the prompt's last token
+                    assert ids[first] == p[-1] and pos[first] == len(p) - 1
+                    assert ids[first - len(p) + 1:first + 1] == p
+                adv = A[i] if isinstance(A[i], list) else [A[i]] * len(c)
+                for name, want in (("advantages", adv), ("loss_mask", M[i]), ("old_logp", O[i])):
+                    assert getattr(b, name)[n:n + len(c)].tolist() == torch.tensor(want, dtype=torch.float32).tolist()
+                n += len(c)
+            assert n == b.num_completion_tokens and (b.segment_prefix is not None) == share
+        if share:
+            one = P.build_packed_batches(PR, C, A, 10_000, share_prefix=True, attn_coef=64.0)[0]
+            # equal-but-distinct prompt lists 2 and 3 form one group: one copy of the prompt
+            assert one.num_tokens == sum(len(p) for k, p in enumerate(prompts_u) if k != 3) + sum(map(len, C))

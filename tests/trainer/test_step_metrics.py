@@ -34,3 +34,51 @@ def test_sequence_over_the_packing_budget_gets_its_own_micro_batch(cfg_factory):
     assert "train/skipped" not in logs
     changed = any(not torch.equal(v, before[k]) for k, v in t.backend.module.state_dict().items())
     assert changed or logs.get("train/no_update") == 1.0
+
+
+class _CountingTokenizer:
+    """The trainer's tokenizer, recording the texts of each call."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __call__(self, text, **kw):
+        self.calls.append(text)
+        return self.tok(text, **kw)
+
+
+def test_pack_tokenizes_new_prompts_once_and_packs_every_kept_rollout(cfg_factory):
+    t = Trainer(cfg_factory("steps=1"), task=NoisyTask(), log=lambda m: None)
+    tok = t.tokenizer = _CountingTokenizer(t.tokenizer)
+    problems = t.curriculum.sample(4)
+    problems = problems + problems[:1]  # a prompt twice in one batch
+    groups = t._rollout(problems)
+    per_fn, dropped = t._score(problems, groups)
+    _, adv, keep, _ = t._advantages(problems, per_fn, dropped)
+    keep[:] = True
+    keep[1] = False
+    batches = t._pack(problems, groups, adv, keep)
+    # one call for the unseen prompts (each once), the same ids as one call per prompt
+    unique = list(dict.fromkeys(p.id for p in problems))
+    by_id = {p.id: p for p in problems}
+    assert tok.calls == [[by_id[i].prompt for i in unique]]
+    for i in unique:
+        assert t._prompt_ids[i] == tok.tok(by_id[i].prompt, add_special_tokens=False)["input_ids"]
+    t._pack(problems, groups, adv, keep)
+    assert len(tok.calls) == 1  # cached from then on
+    kept = [(i, j) for i in range(len(problems)) if keep[i] for j in range(len(groups[i]))]
+    seen = set()
+    for b in batches:
+        n = 0
+        for s, k in enumerate(b.seq_index.tolist()):
+            i, j = kept[k]
+            c = groups[i][j]
+            assert b.ids[s] == (problems[i].id, j) and b.prompt_lens[s] == len(t._prompt_ids[problems[i].id])
+            m = len(c.token_ids)
+            assert b.targets[n:n + m].tolist() == list(c.token_ids)
+            assert b.loss_mask[n:n + m].tolist() == [float(x) for x in c.sampled_mask]
+            assert b.advantages[n:n + m].tolist() == [float(adv[i, j])] * m
+            n += m
+            seen.add(k)
+    assert seen == set(range(len(kept)))
+    t.close()
