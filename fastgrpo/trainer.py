@@ -146,9 +146,12 @@ class Trainer(CheckpointMixin):
                 self.engine.wake_up()
             # the built-in engine runs the trainer's module itself, outside the engine's forward
             gen = getattr(self.backend, "generation_weights", None)
+            # the engine samples from the same token ids the update trains on (one tokenizer call
+            # for the prompts not seen yet, not one per prompt inside the engine)
+            self._tokenize(problems)
             with gen() if gen is not None else contextlib.nullcontext():
-                groups = self.engine.generate([p.prompt for p in problems], n=self.cfg.rollout.group_size,
-                                              sampling=self.sampling)
+                groups = self.engine.generate([self._prompt_ids[p.id] for p in problems],
+                                              n=self.cfg.rollout.group_size, sampling=self.sampling)
             if self.cfg.rollout.sleep_between_steps:
                 self.engine.sleep()
         return groups
@@ -188,6 +191,14 @@ class Trainer(CheckpointMixin):
             self.curriculum.update([i for r_ids, _ in every for i in r_ids], [a for _, r_acc in every for a in r_acc])
         return total, adv, keep, zero_std
 
+    def _tokenize(self, problems) -> None:
+        """Token ids of every prompt not seen yet into `_prompt_ids`, in one tokenizer call (a call
+        per prompt cost ~0.1 ms each)."""
+        new = list({p.id: p.prompt for p in problems if p.id not in self._prompt_ids}.items())
+        if new:
+            toks = self.tokenizer([text for _, text in new], add_special_tokens=False)["input_ids"]
+            self._prompt_ids.update(zip((i for i, _ in new), toks))
+
     def _pack(self, problems, groups, adv, keep):
         from .distributed import plan_micro_batches, rebalance
 
@@ -197,11 +208,7 @@ class Trainer(CheckpointMixin):
             # inner step); otherwise the old log-probs are the policy's own (K = 1: the detached
             # current ones; K > 1: scored before the first update)
             stale = self._engine_stale
-            # one tokenizer call for every prompt not seen yet (a call per prompt cost ~0.1 ms each)
-            new = list({p.id: p.prompt for p in problems if p.id not in self._prompt_ids}.items())
-            if new:
-                toks = self.tokenizer([text for _, text in new], add_special_tokens=False)["input_ids"]
-                self._prompt_ids.update(zip((i for i, _ in new), toks))
+            self._tokenize(problems)  # done by _rollout already, unless a caller packs other problems
             adv_rows = adv.tolist()  # Python floats once, not a tensor index per completion
             prompts, comps, advs, ids, cmask, olps = [], [], [], [], [], []
             for i, (p, grp) in enumerate(zip(problems, groups)):
