@@ -14,7 +14,8 @@ varlen causal attention over the packed segments (with the shared-prefix layout 
 `PackedBatch.segment_prefix`; logsumexp kept, probabilities recomputed in the backward, as
 flash attention does), SiLU·up, residual adds fused into the norm backward. It saves x, the
 two normed inputs, q‖k‖v after RoPE, the attention output and logsumexp, the residual and
-gate‖up: less than the Hugging Face layer keeps. The GEMMs go to oneDNN where `cpu_gemm` would
+gate‖up (the weights' concatenations are rebuilt in the backward): less than the Hugging Face
+layer keeps. The GEMMs go to oneDNN where `cpu_gemm` would
 send the layer's linears (a row count on its ladder), else to torch's own.
 
 Where it runs: `use_fused_layers(model)` (called by `fastgrpo.builders.build_model`) swaps the
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _jit, cpu_gemm, env
+from .models import _PACKED_CALL, PAD_KWARG, PREFIX_KWARG, VARLEN_ATTN, _version
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ops.cpp")
 LOCK_TIMEOUT_S = 300
@@ -56,6 +58,8 @@ _LAYER_MODULES = {
     "LlamaDecoderLayer": "transformers.models.llama.modeling_llama",
     "MistralDecoderLayer": "transformers.models.mistral.modeling_mistral",
 }
+# the linear classes whose forward is exactly F.linear (a subclass swapped in by LoRA / quantisation is not)
+_LINEARS = (nn.Linear, cpu_gemm.FastLinear)
 _NORM_MODULES = {
     "Qwen2RMSNorm": "transformers.models.qwen2.modeling_qwen2",
     "LlamaRMSNorm": "transformers.models.llama.modeling_llama",
@@ -83,11 +87,12 @@ def _segments(cu: torch.Tensor, prefix: Optional[torch.Tensor], rows: int) -> to
     """int64 [S, 4]: (start, length, prefix start, prefix length) per segment, checked against
     the row count (`rows` ≥ the last segment's end: the rest is ladder padding). Every layer of
     one forward (and a checkpointed recomputation) gets the same tensors: built once."""
-    key = cu
+    key, key_prefix = cu, prefix
+    version = (_version(cu), None if prefix is None else _version(prefix))
     last = _LAST_SEG[0]
-    if (last is not None and last[0] is cu and last[1] == cu._version and last[2] is prefix
-            and (prefix is None or last[3] == prefix._version)):
-        return last[4]
+    if (last is not None and last[0] is cu and last[2] is prefix and None not in version[:1 + (prefix is not None)]
+            and last[1] == version):
+        return last[3]
     cu = cu.to(torch.int64)
     if cu.dim() != 1 or cu.numel() < 1 or bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
         raise ValueError(f"cu_seq_lens_q: expected a non-decreasing 1-D tensor from 0, got {cu.tolist()[:8]}…")
@@ -111,7 +116,7 @@ def _segments(cu: torch.Tensor, prefix: Optional[torch.Tensor], rows: int) -> to
         ps = torch.where(pl > 0, ps, torch.zeros_like(ps))
         pl = pl.clamp(min=0)
     seg = torch.stack([start, length, ps, pl], 1).contiguous()
-    _LAST_SEG[0] = (key, key._version, prefix, None if prefix is None else prefix._version, seg)
+    _LAST_SEG[0] = (key, version, key_prefix, seg)
     return seg
 
 
@@ -148,14 +153,18 @@ class _DecoderLayerFn(torch.autograd.Function):
         wgu = torch.cat([wg, wu])
         gu = _gemm(h2, wgu, None, dnn)
         y = _gemm(ops.silu_mul_fwd(gu), wd, None, dnn).add_(x2)
-        ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wqkv, wo, w_post, wgu, wd)
+        # the weights themselves, not their concatenations: those are rebuilt in the backward
+        # (a copy of the layer's weights per forward would outweigh the activations it saves)
+        ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu,
+                              wd)
         ctx.spec = spec
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wqkv, wo, w_post, wgu, wd = ctx.saved_tensors
+        x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu, wd = ctx.saved_tensors
+        wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
         spec = ctx.spec
         ops, dnn, need = spec.ops, spec.dnn, ctx.needs_input_grad
         gy = gy.contiguous()
@@ -202,15 +211,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 # ------------------------------------------------------------------ when the fused path runs
 def _packed_call() -> bool:
-    from .models import _PACKED_CALL
-
     return _PACKED_CALL.get()
-
-
-def _varlen_attn() -> str:
-    from .models import VARLEN_ATTN
-
-    return VARLEN_ATTN
 
 
 def _plain_f32(x: torch.Tensor) -> bool:
@@ -227,8 +228,11 @@ def _foreign(hooks) -> bool:
 def _hooked(parts) -> bool:
     """Whether a forward hook on one of the layer's parts (which the fused path does not call)
     would be skipped."""
-    return any((m._forward_hooks and _foreign(m._forward_hooks)) or m._forward_pre_hooks for m in parts) or bool(
-        nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    g = nn.modules.module
+    return any((m._forward_hooks and _foreign(m._forward_hooks)) or m._forward_pre_hooks or m._backward_hooks
+               or m._backward_pre_hooks for m in parts) or bool(
+        g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks)
 
 
 def _shapes(params) -> tuple:
@@ -242,10 +246,25 @@ def _layer_params(layer) -> tuple:
             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
+def _parts(layer) -> tuple:
+    at, mlp = layer.self_attn, layer.mlp
+    return (at, mlp, at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+            mlp.act_fn, layer.input_layernorm, layer.post_attention_layernorm)
+
+
+def _same_parts(layer) -> bool:
+    """Whether the layer's parts are still the modules checked at the swap: a part replaced since
+    (a LoRA / PEFT wrapper exposing its base layer's `weight`, another activation, a module with
+    hooks) has a forward that the fused path would skip."""
+    now = _parts(layer)
+    return (all(a is b for a, b in zip(now, layer._fastgrpo_parts))
+            and all(type(m) in _LINEARS for m in now[2:9]) and type(now[9]) is layer._fastgrpo_act)
+
+
 def _params_ok(params) -> bool:
     # ZeRO-3 partitions (0-element, gathered by hooks the fused path would skip), other dtypes
-    return all(p is None or (p.dtype == torch.float32 and p.device.type == "cpu" and not hasattr(p, "ds_id"))
-               for p in params)
+    return all(p is None or (p.dtype == torch.float32 and p.device.type == "cpu" and not hasattr(p, "ds_id")
+                             and p.is_contiguous()) for p in params)
 
 
 class FusedDecoderLayer:
@@ -259,16 +278,14 @@ class FusedDecoderLayer:
         ops = None
         if (cu is not None and past_key_values is None and self._fastgrpo_shapes == _shapes(params) and attention_mask is None and position_embeddings is not None
                 and hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and _plain_f32(hidden_states)
-                and getattr(at.config, "_attn_implementation", None) == _varlen_attn()
-                and not (self.training and at.attention_dropout > 0)
-                and not _hooked(self._fastgrpo_parts) and _params_ok(params)):
+                and getattr(at.config, "_attn_implementation", None) == VARLEN_ATTN
+                and not (at.training and at.attention_dropout > 0)
+                and _same_parts(self) and not _hooked(self._fastgrpo_parts) and _params_ok(params)):
             ops = ops_module()
         if ops is None:
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
-        from .models import PAD_KWARG, PREFIX_KWARG
-
         x = hidden_states[0].contiguous()
         t = x.shape[0]
         seg = _segments(cu, kwargs.get(PREFIX_KWARG), t)
@@ -300,7 +317,8 @@ class FusedRMSNorm:
     def forward(self, hidden_states):
         ops = None
         # (the norm's own hooks run around this forward, whichever path it takes)
-        if _plain_f32(hidden_states) and _packed_call() and _params_ok((self.weight,)):
+        if (_plain_f32(hidden_states) and _packed_call() and _params_ok((self.weight,))
+                and tuple(self.weight.shape) == hidden_states.shape[-1:]):
             ops = ops_module()
         if ops is None:
             return super().forward(hidden_states)
@@ -340,7 +358,7 @@ def _layer_ok(layer) -> bool:
         return False
     linears = [getattr(at, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(m) in (nn.Linear, cpu_gemm.FastLinear) for m in linears):
+    if not all(type(m) in _LINEARS for m in linears):
         return False
     if any(m.bias is not None for m in linears[4:]):  # MLP biases: not this kernel's
         return False
@@ -370,15 +388,15 @@ def use_fused_layers(model: nn.Module) -> int:
     for m in model.modules():
         base = type(m)
         if base.__name__ in _LAYER_MODULES and _layer_ok(m) and m.input_layernorm.weight.dtype == torch.float32:
-            at, mlp = m.self_attn, m.mlp
+            at = m.self_attn
             m.__class__ = _fused_class(base, FusedDecoderLayer)
             m._fastgrpo_heads = (at.q_proj.out_features // at.head_dim, at.k_proj.out_features // at.head_dim,
                                  at.head_dim)
             # the shapes the kernels were checked against: a layer whose weights are later
             # replaced by others of another shape takes the model's own forward
             m._fastgrpo_shapes = _shapes(_layer_params(m))
-            m._fastgrpo_parts = (at, mlp, at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
-                                 mlp.down_proj, mlp.act_fn, m.input_layernorm, m.post_attention_layernorm)
+            m._fastgrpo_parts = _parts(m)
+            m._fastgrpo_act = type(m.mlp.act_fn)
             n += 1
     # the norms outside the decoder layers (the final one): a layer's own norms run inside the
     # fused layer, or inside the model's own layer, which gradient checkpointing may recompute
@@ -404,7 +422,7 @@ def restore_layers(model: nn.Module) -> int:
         if cls.__name__ in _CLASSES and _CLASSES[cls.__name__] is cls:
             m.__class__ = cls.__mro__[2]
             if isinstance(m, nn.Module) and hasattr(m, "_fastgrpo_heads"):
-                del m._fastgrpo_heads, m._fastgrpo_parts, m._fastgrpo_shapes
+                del m._fastgrpo_heads, m._fastgrpo_parts, m._fastgrpo_shapes, m._fastgrpo_act
                 n += 1
     if hasattr(model, FUSED_ATTR):
         delattr(model, FUSED_ATTR)

@@ -149,9 +149,9 @@ class _VarlenPlan:
                                  keep.to(device)))
             offset += len(members) * lq
         self.unpad = unpad.to(device)
-        self.cu, self.version, self.device, self.width = cu, cu._version, device, width
+        self.cu, self.version, self.device, self.width = cu, _version(cu), device, width
         self.prefix = prefix
-        self.prefix_version = prefix._version if prefix is not None else None
+        self.prefix_version = _version(prefix) if prefix is not None else None
         self._bias = {}
         self._tail = {}
 
@@ -190,12 +190,17 @@ _CALL_COST = 150_000
 _LAST_PLAN: list = [None]
 
 
+def _version(t: torch.Tensor):
+    """In-place version counter of `t` (None for an inference tensor, which has none: no cache hit)."""
+    return None if t.is_inference() else t._version
+
+
 def _plan_for(cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None) -> _VarlenPlan:
     """`width`: query heads × head dim (the attention work per query·key pair)."""
     plan = _LAST_PLAN[0]
-    if (plan is None or plan.cu is not cu or plan.version != cu._version or plan.device != device
-            or plan.width != width or plan.prefix is not prefix
-            or (prefix is not None and plan.prefix_version != prefix._version)):
+    if (plan is None or plan.cu is not cu or plan.version is None or plan.version != _version(cu)
+            or plan.device != device or plan.width != width or plan.prefix is not prefix
+            or (prefix is not None and (plan.prefix_version is None or plan.prefix_version != _version(prefix)))):
         plan = _LAST_PLAN[0] = _VarlenPlan(cu, device, width, prefix)
     return plan
 

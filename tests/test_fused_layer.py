@@ -260,3 +260,86 @@ def test_an_empty_packed_row(count_fused):
     assert y.shape == (1, 0, 64) and count_fused == [0]
     y.sum().backward()
     assert x.grad.shape == (1, 0, 64)
+
+
+class _LoraLinear(torch.nn.Module):
+    """A PEFT-style wrapper: exposes its base layer's `weight` (and bias), adds a low-rank term."""
+
+    def __init__(self, base, r=2):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(r, base.in_features) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, r) * 0.1)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    @property
+    def bias(self):
+        return self.base.bias
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+@pytest.mark.parametrize("change", ["lora", "act", "backward_hook", "module_dropout"])
+def test_parts_changed_after_the_swap_take_the_model_own_forward(count_fused, change):
+    """A part replaced or hooked after the swap (whose forward or hooks the fused path would skip),
+    or attention dropout switched on in the attention module alone: the model's own layer runs,
+    with the model's own results."""
+    plain = _model()
+    fused = copy.deepcopy(plain)
+    FL.use_fused_layers(fused)
+    seen = []
+    for m in (plain, fused):
+        layer = m.model.layers[0]
+        torch.manual_seed(5)
+        if change == "lora":
+            layer.self_attn.q_proj = _LoraLinear(layer.self_attn.q_proj)
+        elif change == "act":
+            layer.mlp.act_fn = torch.nn.GELU()
+        elif change == "backward_hook":
+            layer.mlp.up_proj.register_full_backward_hook(lambda *a: seen.append(1))
+        else:
+            m.eval()
+            layer.self_attn.train()
+            layer.self_attn.attention_dropout = 0.5
+    batch = _batch(False)
+    torch.manual_seed(0)
+    got = packed_hidden_states(fused, batch)
+    got.sum().backward()
+    assert len(count_fused) == 1  # layer 1 only
+    torch.manual_seed(0)
+    want = packed_hidden_states(plain, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if change == "backward_hook":
+        assert seen == [1]
+
+
+def test_a_broadcast_final_norm_weight_takes_the_model_own_norm():
+    plain = _model()
+    fused = copy.deepcopy(plain)
+    FL.use_fused_layers(fused)
+    for m in (plain, fused):
+        m.model.norm.weight = torch.nn.Parameter(torch.full((1,), 1.5))
+    batch = _batch(False)
+    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_packed_forward_under_inference_mode(count_fused):
+    """Inference tensors carry no version counter: the segment caches must not need one."""
+    fused = _model()
+    FL.use_fused_layers(fused)
+    batch = _batch(True)
+    want = packed_hidden_states(fused, batch)
+    with torch.inference_mode():
+        got = packed_hidden_states(fused, batch)
+        again = packed_hidden_states(fused, batch)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    assert len(count_fused) == 6
+    FL.restore_layers(fused)
+    with torch.inference_mode():  # the model's own layers (the varlen plan cache) too
+        torch.testing.assert_close(packed_hidden_states(fused, batch), want, rtol=1e-5, atol=1e-5)
