@@ -84,11 +84,6 @@ class HFStepper:
         self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
 
-    def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int) -> torch.Tensor:
-        return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
-                                     self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
-                                     self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps))
-
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
         res = self.model(input_ids=ids[:, None], attention_mask=self.mask, position_ids=pos[:, None],
@@ -226,8 +221,11 @@ class LeanStepper:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, pos = ids.t().contiguous(), pos.t().contiguous()  # a contiguous column per position
         logits = None
-        for s in range(mask.shape[1]):
-            logits = stepper._native_step(ids[s], pos[s], s)
+        width = mask.shape[1]
+        for s in range(width):
+            # only the last position's logits are read: earlier positions write their K / V and
+            # skip the lm_head (rows × vocab × hidden, most of a prefill step at a real vocabulary)
+            logits = stepper._native_step(ids[s], pos[s], s, s == width - 1)
         return stepper, logits
 
     def select(self, keep: torch.Tensor) -> None:
@@ -242,10 +240,11 @@ class LeanStepper:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * h.to(x.dtype)
 
-    def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int) -> torch.Tensor:
+    def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int, want_logits: bool = True) -> torch.Tensor:
         return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
                                      self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
-                                     self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps))
+                                     self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps),
+                                     want_logits)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         """Logits [b, V] (float32) after feeding token `ids` [b] at positions `pos` [b] into cache

@@ -187,7 +187,8 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
                      const at::Tensor& cos_t, const at::Tensor& sin_t, const at::Tensor& mask_bias,
                      const std::vector<at::Tensor>& WT, const std::vector<at::Tensor>& KT,
                      const std::vector<at::Tensor>& V, const at::Tensor& norm_w, const at::Tensor& lm_wt,
-                     const at::Tensor& lm_b, int64_t nh, int64_t nkv, int64_t D, double scaling, double eps) {
+                     const at::Tensor& lm_b, int64_t nh, int64_t nkv, int64_t D, double scaling, double eps,
+                     bool want_logits) {
   TORCH_CHECK(WT.size() == 10 * KT.size() && KT.size() == V.size(),
               "lean_step: expected 10 weights and one K / V cache per layer");
   TORCH_CHECK(embed.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
@@ -208,6 +209,17 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
   }
   check_weights(WT);
   check_weights({norm_w, lm_wt, lm_b});
+  {
+    const int64_t H = embed.size(1);
+    TORCH_CHECK(norm_w.numel() == H, "lean_step: final norm weight of ", norm_w.numel(), " for hidden ", H);
+    for (size_t i = 0; i < KT.size(); ++i) {
+      const at::Tensor* w = &WT[i * 10];
+      TORCH_CHECK(w[0].numel() == H && w[1].numel() == H && w[2].dim() == 2 && w[2].size(0) == H &&
+                      w[2].size(1) == nq * D,
+                  "lean_step: layer ", i, ": norm weights [", H, "] and a q/k/v weight^T [", H, ", ", nq * D,
+                  "] expected");
+    }
+  }
   {
     const int64_t* pp = pos.data_ptr<int64_t>();
     for (int64_t r = 0; r < b; ++r)
@@ -336,6 +348,8 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
     }
     gemm(act, w[8], w[9], x, true);                            // x += act W_down^T (+ b_down)
   }
+  // a prefill position before the prompt's last needs only its K / V (written above), not logits
+  if (!want_logits) return at::Tensor();
   return linear(rms_norm(x, norm_w, eps), lm_wt, lm_b);
 }
 
@@ -449,6 +463,8 @@ int64_t sample_step(const at::Tensor& logits, double temperature, const at::Tens
                     at::Tensor& out_tok, at::Tensor& out_lp, at::Tensor& length, at::Tensor& stopped) {
   TORCH_CHECK_VALUE(temperature >= 0.0, "sample_step: temperature ", temperature, " must be >= 0");
   const bool greedy = temperature == 0.0;
+  TORCH_CHECK_VALUE(greedy || static_cast<float>(temperature) > 0.f, "sample_step: temperature ", temperature,
+                    " underflows float32; use 0 for greedy");
   check_sample(logits, u, t, rows, stop_ids, nxt, alive, out_tok, out_lp, length, stopped, greedy);
   const int64_t b = logits.size(0), V = logits.size(1), T = out_tok.size(1);
   const int64_t Tu = greedy ? 0 : u.size(1), n_stop = stop_ids.numel();

@@ -174,6 +174,11 @@ def test_native_step_refuses_bad_layouts():
             nat.step(ids, pos + 10_000, 0)
         with pytest.raises(RuntimeError, match="outside the cache"):
             nat.step(ids, pos, 10_000)
+        good_norm = nat._norm_w
+        nat._norm_w = good_norm[:1]  # a broadcastable weight would be read past its end
+        with pytest.raises(RuntimeError, match="final norm weight of 1 for hidden 64"):
+            nat.step(ids, pos, 0)
+        nat._norm_w = good_norm
         assert torch.isfinite(nat.step(ids, pos, 0)).all()
 
 

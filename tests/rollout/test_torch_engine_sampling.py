@@ -236,3 +236,12 @@ def test_the_module_mode_is_left_as_it_was(decoder, training):
     assert all(m.training == training for m in model.modules())
     if decoder == "hf":
         assert seen and not any(seen)
+
+
+def test_a_temperature_that_underflows_float32_is_refused(native):
+    """0 < T below float32's range would take the greedy branch with the τ = 1 log-prob: refused."""
+    z = torch.randn(2, 7)
+    with pytest.raises(ValueError, match="underflows float32"):
+        _sample(native, z, 1e-46, torch.rand(2))
+    out = _sample(native, z, 0.0, None)  # 0 is greedy, as documented
+    assert torch.equal(out["nxt"], z.argmax(1))
