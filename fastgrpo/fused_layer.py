@@ -125,6 +125,13 @@ def _gemm(a: torch.Tensor, b_t: torch.Tensor, bias, dnn: bool) -> torch.Tensor:
     return cpu_gemm._mm(a, b_t, bias) if dnn else F.linear(a, b_t, bias)
 
 
+def _wgrad(x_t: torch.Tensor, g: torch.Tensor, dnn: bool) -> torch.Tensor:
+    """The weight gradient gᵀ x [N, K] from xᵀ [K, T] (dense) and g [T, N], as (xᵀ g)ᵀ: oneDNN
+    copies a strided left operand on every call, so the one given dense is the narrower
+    activation (measured at T = 1920: 64 × 256 gate‖up 446 → 285 µs with the transpose)."""
+    return _gemm(x_t, g.t(), None, dnn).t().contiguous()
+
+
 class _Spec:
     __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "dnn", "biases", "split")
 
@@ -153,6 +160,8 @@ class _DecoderLayerFn(torch.autograd.Function):
         wgu = torch.cat([wg, wu])
         gu = _gemm(h2, wgu, None, dnn)
         y = _gemm(ops.silu_mul_fwd(gu), wd, None, dnn).add_(x2)
+        # the normed inputs are read again only by the weight gradients, as their transposes
+        h1, h2 = ops.transpose(h1), ops.transpose(h2)
         # the weights themselves, not their concatenations: those are rebuilt in the backward
         # (a copy of the layer's weights per forward would outweigh the activations it saves)
         ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu,
@@ -163,6 +172,7 @@ class _DecoderLayerFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
+        # h1, h2: the normed inputs' transposes [H, T]
         x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu, wd = ctx.saved_tensors
         wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
         spec = ctx.spec
@@ -173,17 +183,17 @@ class _DecoderLayerFn(torch.autograd.Function):
             g[16] = _gemm(gy.t(), ops.silu_mul_fwd(gu).t(), None, dnn)
         dgu = ops.silu_mul_bwd(_gemm(gy, wd.t(), None, dnn), gu)
         if need[14] or need[15]:
-            g[14], g[15] = _gemm(dgu.t(), h2.t(), None, dnn).split(wgu.shape[0] // 2)
+            g[14], g[15] = _wgrad(h2, dgu, dnn).split(wgu.shape[0] // 2)
         dx2, g[13] = ops.rmsnorm_bwd(_gemm(dgu, wgu.t(), None, dnn), x2, w_post, r2, gy)
         if need[11]:
-            g[11] = _gemm(dx2.t(), o.t(), None, dnn)
+            g[11] = _wgrad(ops.transpose(o), dx2, dnn)
         if spec.biases[3] and need[12]:
             g[12] = dx2.sum(0)
         dqkv = ops.attn_bwd(_gemm(dx2, wo.t(), None, dnn), qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d,
                             spec.scale)
         ops.rope_(dqkv, cos, sin, spec.nq + spec.nk, spec.d, True)
         if any(need[5:8]):
-            g[5], g[6], g[7] = _gemm(dqkv.t(), h1.t(), None, dnn).split(spec.split)
+            g[5], g[6], g[7] = _wgrad(h1, dqkv, dnn).split(spec.split)
         if any(spec.biases[:3]):
             gb = dqkv.sum(0).split(spec.split)
             for i in range(3):

@@ -343,3 +343,10 @@ def test_packed_forward_under_inference_mode(count_fused):
     FL.restore_layers(fused)
     with torch.inference_mode():  # the model's own layers (the varlen plan cache) too
         torch.testing.assert_close(packed_hidden_states(fused, batch), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_transpose_any_shape():
+    ops = FL.ops_module()
+    for shape in ((1, 1), (17, 33), (0, 5), (5, 0), (16, 16), (1923, 70)):
+        x = torch.randn(shape)
+        assert torch.equal(ops.transpose(x), x.t().contiguous()), shape
