@@ -47,6 +47,12 @@ def fused_layers() -> bool:
     return _flag("FASTGRPO_FUSED_LAYERS", True)
 
 
+def malloc_tune() -> bool:
+    """FASTGRPO_MALLOC_TUNE=0: leave glibc malloc's mmap / trim thresholds as they are instead of
+    keeping freed activation buffers for reuse (fastgrpo/allocator.py; default on)."""
+    return _flag("FASTGRPO_MALLOC_TUNE", True)
+
+
 def ninja_on_path() -> None:
     """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` wheel puts it next to the
     interpreter (a venv's bin/), which is not on PATH when the venv was never activated

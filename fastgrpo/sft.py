@@ -46,6 +46,10 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     scfg = cfg.sft
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if model.get_input_embeddings().weight.device.type == "cpu":
+        from .allocator import tune_host_allocator
+
+        tune_host_allocator()  # reused activation buffers instead of fresh, faulting pages
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=scfg.lr, weight_decay=0.0)
     eos = tokenizer.eos_token_id

@@ -90,6 +90,10 @@ class Trainer(CheckpointMixin):
             backend = backend_from_config(model, optimizer, scheduler, cfg.distributed, cfg.optimizer.max_grad_norm)
         self.backend = backend
         self.rank, self.world_size = backend.rank, backend.world_size
+        if torch.device(getattr(backend, "device", "cpu")).type == "cpu":
+            from .allocator import tune_host_allocator
+
+            tune_host_allocator()  # reused activation buffers instead of fresh, faulting pages
         # the launcher (torchrun / deepspeed) decides the ranks; the config records them
         cfg.distributed.rank, cfg.distributed.world_size = self.rank, self.world_size
         cfg.distributed.local_rank = getattr(getattr(backend, "env", None), "local_rank", 0)
