@@ -134,13 +134,13 @@ def _as_ids(x, name: str, i: int) -> np.ndarray:
 def _ids_list(seqs: Sequence, name: str) -> List[np.ndarray]:
     """Each sequence as int64 numpy; an object passed several times (a GRPO group's prompt: G
     references to one list) is converted once."""
-    seen: dict = {}
+    seen: dict = {}  # id(x) -> (x, array): holding x keeps its id from being reused by a later item
     out = []
     for i, x in enumerate(seqs):
-        a = seen.get(id(x))
-        if a is None:
-            a = seen[id(x)] = _as_ids(x, name, i)
-        out.append(a)
+        hit = seen.get(id(x))
+        if hit is None:
+            hit = seen[id(x)] = (x, _as_ids(x, name, i))
+        out.append(hit[1])
     return out
 
 

@@ -337,3 +337,25 @@ def test_packed_batches_hold_each_sequence_and_its_values(share):
             one = P.build_packed_batches(PR, C, A, 10_000, share_prefix=True, attn_coef=64.0)[0]
             # equal-but-distinct prompt lists 2 and 3 form one group: one copy of the prompt
             assert one.num_tokens == sum(len(p) for k, p in enumerate(prompts_u) if k != 3) + sum(map(len, C))
+
+
+def test_prompt_rows_made_on_each_read_keep_their_own_tokens():
+    """A lazy sequence (an HF `datasets` column, a view) hands out a new list on every read: a
+    freed row's id is reused by the next one, which must not be taken for the same prompt."""
+    from fastgrpo.packed import build_packed_batches
+
+    rows = [[3 * i + 3, 3 * i + 4, 3 * i + 5] for i in range(64)]
+
+    class Lazy:
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            if i >= len(rows):
+                raise IndexError(i)
+            return list(rows[i])
+
+    comps = [[1, 2]] * 64
+    want = build_packed_batches(rows, comps, [0.0] * 64, 10 ** 6)[0]
+    got = build_packed_batches(Lazy(), comps, [0.0] * 64, 10 ** 6)[0]
+    assert torch.equal(got.input_ids, want.input_ids)
