@@ -1,4 +1,4 @@
-"""Fused float32 CPU decoder layers for packed training forwards (Qwen2, Llama, Mistral).
+"""Fused float32 CPU decoder layers for packed training forwards (Qwen2, Qwen3, Llama, Mistral).
 
 On one CPU thread a tiny model's packed forward + backward is dominated by its elementwise
 passes, not its GEMMs: Hugging Face's decoder layer runs about 30 ATen ops forward and 60
@@ -11,7 +11,8 @@ widths, where GEMMs dominate (`python -m benchmarks.bench_fused_layer --threads 
 `FusedDecoderLayer` runs the whole layer as one autograd function with four GEMMs forward
 (q‖k‖v, o, gate‖up, down: the projections of one input concatenated into one product) and
 eight backward, and the rest as one-pass C++ loops (`train_ops.cpp`, JIT-built for the host
-like the native decode step, `fastgrpo._jit`): RMSNorm, RoPE in place on the q‖k columns,
+like the native decode step, `fastgrpo._jit`): RMSNorm (and Qwen3's per-head q / k norms), RoPE
+in place on the q‖k columns,
 varlen causal attention over the packed segments (with the shared-prefix layout of
 `PackedBatch.segment_prefix`; logsumexp kept, probabilities recomputed in the backward, as
 flash attention does), SiLU·up, residual adds fused into the norm backward. It saves x, the
@@ -34,8 +35,8 @@ keep the model's own layers everywhere. The backward is once-differentiable: a d
 Departures from the model's own layer, all float32 rounding: sums in another order, e^x by a
 polynomial within 2 ulp (`tests/test_fused_layer.py` compares outputs and every gradient to the
 float64 model). Supported: q/k/v/o biases (Qwen2), GQA, any even head dim, the model's own RoPE
-tables (any scaling, full rotary dim). Not supported (the layer stays the model's own):
-sliding windows, MLP biases, activations other than SiLU, partial rotary, q/k norms (Qwen3).
+tables (any scaling, full rotary dim), Qwen3's q / k norms. Not supported (the layer stays the
+model's own): sliding windows, MLP biases, activations other than SiLU, partial rotary.
 """
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ LOCK_TIMEOUT_S = 300
 # set on a model by use_fused_layers
 FUSED_ATTR = "_fastgrpo_fused_layers"
 # the architectures whose layers compute exactly: x + attn(norm(x)); h + down(silu(gate(·)) · up(·))
+# (Qwen3: with an RMSNorm over each q and k head before RoPE)
 _LAYER_MODULES = {
     "Qwen2DecoderLayer": "transformers.models.qwen2.modeling_qwen2",
+    "Qwen3DecoderLayer": "transformers.models.qwen3.modeling_qwen3",
     "LlamaDecoderLayer": "transformers.models.llama.modeling_llama",
     "MistralDecoderLayer": "transformers.models.mistral.modeling_mistral",
 }
@@ -65,6 +68,7 @@ _LAYER_MODULES = {
 _LINEARS = (nn.Linear, cpu_gemm.FastLinear)
 _NORM_MODULES = {
     "Qwen2RMSNorm": "transformers.models.qwen2.modeling_qwen2",
+    "Qwen3RMSNorm": "transformers.models.qwen3.modeling_qwen3",
     "LlamaRMSNorm": "transformers.models.llama.modeling_llama",
     "MistralRMSNorm": "transformers.models.mistral.modeling_mistral",
 }
@@ -136,7 +140,7 @@ def _wgrad(x_t: torch.Tensor, g: torch.Tensor, dnn: bool) -> torch.Tensor:
 
 
 class _Spec:
-    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "dnn", "biases", "split")
+    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "eps_h", "dnn", "biases", "split")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -148,7 +152,7 @@ class _DecoderLayerFn(torch.autograd.Function):
     n2 = norm2(x2); x [T, H] float32 dense."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, spec, w_in, wq, wk, wv, bq, bk, bv, wo, bo, w_post, wg, wu, wd):
+    def forward(ctx, x, cos, sin, spec, w_in, wq, wk, wv, bq, bk, bv, wo, bo, w_post, wg, wu, wd, wqn, wkn):
         ops, dnn = spec.ops, spec.dnn
         h1, r1 = ops.rmsnorm_fwd(x, w_in, spec.eps1)
         wqkv = torch.cat([wq, wk, wv])
@@ -156,6 +160,9 @@ class _DecoderLayerFn(torch.autograd.Function):
         if spec.biases[:3] != (False, False, False):
             bqkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv))])
         qkv = _gemm(h1, wqkv, bqkv, dnn)
+        pre = hr = None
+        if wqn is not None:  # Qwen3: each q and k head RMS-normed before RoPE
+            pre, hr = ops.head_rmsnorm_(qkv, wqn, wkn, spec.nq, spec.nk, spec.d, spec.eps_h)
         ops.rope_(qkv, cos, sin, spec.nq + spec.nk, spec.d, False)
         o, lse = ops.attn_fwd(qkv, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
         x2 = _gemm(o, wo, bo.contiguous() if bo is not None else None, dnn).add_(x)
@@ -168,7 +175,7 @@ class _DecoderLayerFn(torch.autograd.Function):
         # the weights themselves, not their concatenations: those are rebuilt in the backward
         # (a copy of the layer's weights per forward would outweigh the activations it saves)
         ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu,
-                              wd)
+                              wd, pre, hr, wqn, wkn)
         ctx.spec = spec
         return y
 
@@ -176,12 +183,13 @@ class _DecoderLayerFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy):
         # h1, h2: the normed inputs' transposes [H, T]
-        x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu, wd = ctx.saved_tensors
+        (x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu, wd, pre, hr, wqn,
+         wkn) = ctx.saved_tensors
         wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
         spec = ctx.spec
         ops, dnn, need = spec.ops, spec.dnn, ctx.needs_input_grad
         gy = gy.contiguous()
-        g = [None] * 17
+        g = [None] * 19
         if need[16]:
             g[16] = _gemm(gy.t(), ops.silu_mul_fwd(gu).t(), None, dnn)
         dgu = ops.silu_mul_bwd(_gemm(gy, wd.t(), None, dnn), gu)
@@ -195,6 +203,8 @@ class _DecoderLayerFn(torch.autograd.Function):
         dqkv = ops.attn_bwd(_gemm(dx2, wo.t(), None, dnn), qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d,
                             spec.scale)
         ops.rope_(dqkv, cos, sin, spec.nq + spec.nk, spec.d, True)
+        if wqn is not None:
+            g[17], g[18] = ops.head_rmsnorm_bwd_(dqkv, pre, hr, wqn, wkn, spec.nq, spec.nk, spec.d)
         if any(need[5:8]):
             g[5], g[6], g[7] = _wgrad(h1, dqkv, dnn).split(spec.split)
         if any(spec.biases[:3]):
@@ -243,7 +253,7 @@ def _hooked(parts) -> bool:
     would be skipped."""
     g = nn.modules.module
     return any((m._forward_hooks and _foreign(m._forward_hooks)) or m._forward_pre_hooks or m._backward_hooks
-               or m._backward_pre_hooks for m in parts) or bool(
+               or m._backward_pre_hooks for m in parts if m is not None) or bool(
         g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
         or g._global_backward_pre_hooks)
 
@@ -254,15 +264,18 @@ def _shapes(params) -> tuple:
 
 def _layer_params(layer) -> tuple:
     at, mlp = layer.self_attn, layer.mlp
+    qn, kn = getattr(at, "q_norm", None), getattr(at, "k_norm", None)
     return (layer.input_layernorm.weight, at.q_proj.weight, at.k_proj.weight, at.v_proj.weight, at.q_proj.bias,
             at.k_proj.bias, at.v_proj.bias, at.o_proj.weight, at.o_proj.bias, layer.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, None if qn is None else qn.weight,
+            None if kn is None else kn.weight)
 
 
 def _parts(layer) -> tuple:
     at, mlp = layer.self_attn, layer.mlp
     return (at, mlp, at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
-            mlp.act_fn, layer.input_layernorm, layer.post_attention_layernorm)
+            mlp.act_fn, layer.input_layernorm, layer.post_attention_layernorm, getattr(at, "q_norm", None),
+            getattr(at, "k_norm", None))
 
 
 def _same_parts(layer) -> bool:
@@ -316,7 +329,8 @@ class FusedDecoderLayer:
         dnn = cpu_gemm._enabled() and t >= cpu_gemm.MIN_ROWS and cpu_gemm.padded_rows(t) == t
         spec = _Spec(ops=ops, seg=seg, nq=nq, nk=nk, d=d, scale=float(at.scaling),
                      eps1=float(self.input_layernorm.variance_epsilon),
-                     eps2=float(self.post_attention_layernorm.variance_epsilon), dnn=dnn,
+                     eps2=float(self.post_attention_layernorm.variance_epsilon),
+                     eps_h=float(at.q_norm.variance_epsilon) if params[13] is not None else 0.0, dnn=dnn,
                      biases=tuple(p is not None for p in params[4:7]) + (params[8] is not None,),
                      split=(nq * d, nk * d, nk * d))
         y = _DecoderLayerFn.apply(x, cos, sin, spec, *params)
@@ -377,6 +391,15 @@ def _layer_ok(layer) -> bool:
         return False
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
     if not all(type(n).__name__ in _NORM_MODULES and hasattr(n, "variance_epsilon") for n in norms):
+        return False
+    qk = (getattr(at, "q_norm", None), getattr(at, "k_norm", None))
+    if type(layer).__name__ == "Qwen3DecoderLayer":  # its q / k heads are RMS-normed (over the head dim)
+        if not all(type(n).__name__ in _NORM_MODULES and hasattr(n, "variance_epsilon")
+                   and getattr(n, "weight", None) is not None and n.weight.shape == (at.head_dim,) for n in qk):
+            return False
+        if qk[0].variance_epsilon != qk[1].variance_epsilon:
+            return False
+    elif qk != (None, None):
         return False
     cfg = getattr(at, "config", None)
     if cfg is None or getattr(cfg, "hidden_act", None) != "silu" or getattr(at, "sliding_window", None) is not None:

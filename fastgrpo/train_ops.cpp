@@ -1,6 +1,7 @@
-// Fused float32 CPU pieces of a Qwen2 / Llama decoder layer for packed training
-// (fastgrpo/fused_layer.py): RMSNorm, RoPE, varlen causal attention with optional shared
-// prefixes, and SiLU·up, each forward and backward in one pass over its rows.
+// Fused float32 CPU pieces of a Qwen2 / Qwen3 / Llama decoder layer for packed training
+// (fastgrpo/fused_layer.py): RMSNorm (per row, and per head for Qwen3's q/k norms), RoPE, varlen
+// causal attention with optional shared prefixes, and SiLU·up, each forward and backward in one
+// pass over its rows.
 //
 // Every function takes dense row-major float32 tensors; the caller (fused_layer.py) checks
 // shapes, dtypes and the segment table before calling, so the loops carry no checks (a
@@ -488,6 +489,81 @@ at::Tensor silu_mul_bwd(const at::Tensor& da, const at::Tensor& gu) {
   return dgu;
 }
 
+// Per-head RMSNorm (Qwen3's q_norm / k_norm) in place on the first nq + nk heads of every row
+// of qkv [T, W]: the q heads scaled by wq [D], the k heads by wk [D]. Returns (pre [T, (nq + nk)
+// · D], the values before; rstd [T, nq + nk]).
+std::vector<at::Tensor> head_rmsnorm_(at::Tensor qkv, const at::Tensor& wq, const at::Tensor& wk, int64_t nq,
+                                      int64_t nk, int64_t D, double eps) {
+  const int64_t T = qkv.size(0), W = qkv.size(1), nh = nq + nk;
+  at::Tensor pre = empty_f32({T, nh * D}), rstd = empty_f32({T, nh});
+  float* p = qkv.data_ptr<float>();
+  float* pp = pre.data_ptr<float>();
+  float* rp = rstd.data_ptr<float>();
+  const float* wqp = wq.data_ptr<float>();
+  const float* wkp = wk.data_ptr<float>();
+  const float e = static_cast<float>(eps), invD = 1.0f / static_cast<float>(D);
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      for (int64_t h = 0; h < nh; ++h) {
+        float* x = p + t * W + h * D;
+        float* keep = pp + (t * nh + h) * D;
+        const float* w = h < nq ? wqp : wkp;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < D; ++d) {
+          keep[d] = x[d];
+          ss += x[d] * x[d];
+        }
+        const float r = 1.0f / std::sqrt(ss * invD + e);
+        rp[t * nh + h] = r;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) x[d] = w[d] * (x[d] * r);
+      }
+    }
+  });
+  return {pre, rstd};
+}
+
+// Gradient of head_rmsnorm_, in place on dqkv's first nq + nk heads; returns (dwq [D], dwk [D]).
+std::vector<at::Tensor> head_rmsnorm_bwd_(at::Tensor dqkv, const at::Tensor& pre, const at::Tensor& rstd,
+                                          const at::Tensor& wq, const at::Tensor& wk, int64_t nq, int64_t nk,
+                                          int64_t D) {
+  const int64_t T = dqkv.size(0), W = dqkv.size(1), nh = nq + nk;
+  const int nt = at::get_num_threads();
+  at::Tensor part = at::zeros({nt, 2, D}, at::TensorOptions().dtype(at::kFloat));
+  float* g = dqkv.data_ptr<float>();
+  const float* pp = pre.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  const float* wqp = wq.data_ptr<float>();
+  const float* wkp = wk.data_ptr<float>();
+  float* partp = part.data_ptr<float>();
+  const float invD = 1.0f / static_cast<float>(D);
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t end) {
+    float* dw = partp + at::get_thread_num() * 2 * D;
+    for (int64_t t = b; t < end; ++t) {
+      for (int64_t h = 0; h < nh; ++h) {
+        float* gr = g + t * W + h * D;
+        const float* x = pp + (t * nh + h) * D;
+        const float* w = h < nq ? wqp : wkp;
+        float* dww = dw + (h < nq ? 0 : D);
+        const float r = rp[t * nh + h];
+        float c = 0.0f;
+#pragma omp simd reduction(+ : c)
+        for (int64_t d = 0; d < D; ++d) {
+          const float xh = x[d] * r;
+          c += gr[d] * w[d] * xh;
+          dww[d] += gr[d] * xh;
+        }
+        c *= invD;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) gr[d] = r * (gr[d] * w[d] - x[d] * r * c);
+      }
+    }
+  });
+  at::Tensor sum = nt == 1 ? part[0] : part.sum(0);
+  return {sum[0], sum[1]};
+}
+
 // xT [C, R] of x [R, C], in 16 × 16 tiles (both sides touch whole cache lines): the weight
 // gradients' left operand, which oneDNN would otherwise copy from a strided view on every call.
 at::Tensor transpose(const at::Tensor& x) {
@@ -521,6 +597,8 @@ at::Tensor transpose(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transpose", &transpose);
+  m.def("head_rmsnorm_", &head_rmsnorm_);
+  m.def("head_rmsnorm_bwd_", &head_rmsnorm_bwd_);
   m.def("rmsnorm_fwd", &rmsnorm_fwd);
   m.def("rmsnorm_bwd", &rmsnorm_bwd);
   m.def("rope_", &rope_);

@@ -33,8 +33,17 @@ def count_fused(monkeypatch):
 def _model(arch="qwen2", nq=2, nk=1, d=32, hidden=64, seed=0, **kw):
     from fastgrpo.demo.tiny import build_tiny_model
 
-    model, _ = build_tiny_model(arch, seed=seed, hidden_size=hidden, num_attention_heads=nq, num_key_value_heads=nk,
-                                head_dim=d, vocab_size=48, **kw)
+    if arch == "qwen3":  # not one of the demo's architectures: built from its config here
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        cfg = Qwen3Config(vocab_size=48, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=nq,
+                          num_key_value_heads=nk, head_dim=d, intermediate_size=128, rms_norm_eps=1e-6,
+                          tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0, **kw)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        model, _ = build_tiny_model(arch, seed=seed, hidden_size=hidden, num_attention_heads=nq,
+                                    num_key_value_heads=nk, head_dim=d, vocab_size=48, **kw)
     with torch.no_grad():  # non-trivial norm weights and biases
         gen = torch.Generator().manual_seed(seed + 1)
         for n, p in model.named_parameters():
@@ -72,6 +81,8 @@ def _run(model, batch, coef):
     ("qwen2", 4, 2, 16, True, False, False),
     ("llama", 2, 2, 32, False, False, True),
     ("llama", 4, 1, 16, True, True, True),
+    ("qwen3", 4, 2, 16, True, False, True),
+    ("qwen3", 2, 1, 32, False, True, False),
 ])
 def test_fused_equals_the_float64_model(monkeypatch, count_fused, arch, nq, nk, d, share, ckpt, dnn):
     monkeypatch.setattr(cpu_gemm, "_enabled", lambda: dnn)
@@ -350,3 +361,23 @@ def test_tiled_transpose_any_shape():
     for shape in ((1, 1), (17, 33), (0, 5), (5, 0), (16, 16), (1923, 70)):
         x = torch.randn(shape)
         assert torch.equal(ops.transpose(x), x.t().contiguous()), shape
+
+
+def test_qwen3_head_norms_are_fused_and_a_replaced_one_is_not(count_fused):
+    """Qwen3's q_norm / k_norm are part of the fused layer (their weights get gradients); one
+    replaced after the swap sends the layer back to the model's own forward."""
+    plain = _model("qwen3")
+    fused = copy.deepcopy(plain)
+    assert FL.use_fused_layers(fused) == 2
+    batch = _batch(True)
+    h = packed_hidden_states(fused, batch)
+    h.square().mean().backward()
+    assert len(count_fused) == 2
+    assert fused.model.layers[0].self_attn.q_norm.weight.grad.abs().sum() > 0
+    assert fused.model.layers[0].self_attn.k_norm.weight.grad.abs().sum() > 0
+    count_fused.clear()
+    for m in (plain, fused):
+        m.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(m.model.layers[1].self_attn.head_dim)
+    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
+                               rtol=1e-5, atol=1e-5)
+    assert len(count_fused) == 1
