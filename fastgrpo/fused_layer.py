@@ -140,7 +140,7 @@ def _wgrad(x_t: torch.Tensor, g: torch.Tensor, dnn: bool) -> torch.Tensor:
 
 
 class _Spec:
-    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "eps_h", "dnn", "biases", "split")
+    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "eps_h", "dnn", "biases", "split", "grad")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -170,12 +170,13 @@ class _DecoderLayerFn(torch.autograd.Function):
         wgu = torch.cat([wg, wu])
         gu = _gemm(h2, wgu, None, dnn)
         y = _gemm(ops.silu_mul_fwd(gu), wd, None, dnn).add_(x2)
-        # the normed inputs are read again only by the weight gradients, as their transposes
-        h1, h2 = ops.transpose(h1), ops.transpose(h2)
-        # the weights themselves, not their concatenations: those are rebuilt in the backward
-        # (a copy of the layer's weights per forward would outweigh the activations it saves)
-        ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu,
-                              wd, pre, hr, wqn, wkn)
+        if spec.grad:  # (no-grad forwards, old / reference log-probs, keep nothing)
+            # the normed inputs are read again only by the weight gradients, as their transposes
+            h1, h2 = ops.transpose(h1), ops.transpose(h2)
+            # the weights themselves, not their concatenations: those are rebuilt in the backward
+            # (a copy of the layer's weights per forward would outweigh the activations it saves)
+            ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg,
+                                  wu, wd, pre, hr, wqn, wkn)
         ctx.spec = spec
         return y
 
@@ -332,7 +333,7 @@ class FusedDecoderLayer:
                      eps2=float(self.post_attention_layernorm.variance_epsilon),
                      eps_h=float(at.q_norm.variance_epsilon) if params[13] is not None else 0.0, dnn=dnn,
                      biases=tuple(p is not None for p in params[4:7]) + (params[8] is not None,),
-                     split=(nq * d, nk * d, nk * d))
+                     split=(nq * d, nk * d, nk * d), grad=torch.is_grad_enabled())
         y = _DecoderLayerFn.apply(x, cos, sin, spec, *params)
         return y[None]
 

@@ -83,6 +83,7 @@ def _run(model, batch, coef):
     ("llama", 4, 1, 16, True, True, True),
     ("qwen3", 4, 2, 16, True, False, True),
     ("qwen3", 2, 1, 32, False, True, False),
+    ("qwen3", 2, 1, 32, True, "reentrant", True),  # its first forward runs under no_grad
 ])
 def test_fused_equals_the_float64_model(monkeypatch, count_fused, arch, nq, nk, d, share, ckpt, dnn):
     monkeypatch.setattr(cpu_gemm, "_enabled", lambda: dnn)
@@ -95,7 +96,7 @@ def test_fused_equals_the_float64_model(monkeypatch, count_fused, arch, nq, nk, 
     for m in (ref, fused):
         m.train()
         if ckpt:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
     batch = _batch(share)
     coef = torch.randn(batch.targets.numel(), generator=torch.Generator().manual_seed(3))
     got = _run(fused, batch, coef)
