@@ -29,23 +29,31 @@ def _cpu_flags() -> str:
     return cpuinfo("flags") or cpuinfo("Features") or platform.processor() or platform.machine()
 
 
-def build_dir(stem: str, source: str) -> str:
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+
+def build_dir(stem: str, source: str, openmp: bool = False) -> str:
     """Where this machine's build of `source` lives (see the module doc)."""
     import torch
 
     with open(source, "rb") as f:
         src = f.read()
+    flags = " ".join(_CFLAGS + (["-fopenmp"] if openmp else []))
     key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), sys.version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+                                     _cpu_flags().encode(), flags.encode()])).hexdigest()[:16]
     return os.path.join(env.ext_dir(), f"{stem}_{key}")
 
 
-def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: float) -> Optional[object]:
-    """The compiled module of `source`, or None after a warning naming `what` and `fallback`."""
+def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: float,
+          openmp: bool = False) -> Optional[object]:
+    """The compiled module of `source`, or None after a warning naming `what` and `fallback`.
+    `openmp`: compile and link with -fopenmp, so that `at::parallel_for` in the source runs on
+    torch's threads (without it the loops are serial: ATen's parallel_for is an OpenMP pragma
+    compiled into the extension)."""
     from torch.utils.cpp_extension import load
 
     try:
-        folder = build_dir(stem, source)
+        folder = build_dir(stem, source, openmp)
         key = os.path.basename(folder)[len(stem) + 1:]
         import fcntl  # POSIX; elsewhere the ImportError means: the Python path
 
@@ -64,8 +72,9 @@ def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: floa
             if os.path.exists(stale):
                 os.remove(stale)
             env.ninja_on_path()
+            omp = ["-fopenmp"] if openmp else []
             return load(name=f"fastgrpo_{stem}_{key}", sources=[source], build_directory=folder,
-                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                        extra_cflags=_CFLAGS + omp, extra_ldflags=omp, verbose=False)
     except Exception as e:  # noqa: BLE001 — any build failure means: the Python path
         msg = str(e).strip().splitlines()
         warnings.warn(f"fastgrpo: {what} could not be built ({type(e).__name__}: "

@@ -76,7 +76,8 @@ _NORM_MODULES = {
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    return _jit.build("train_ops", SOURCE, "the fused training layers", "the model's own layers", LOCK_TIMEOUT_S)
+    return _jit.build("train_ops", SOURCE, "the fused training layers", "the model's own layers", LOCK_TIMEOUT_S,
+                      openmp=True)
 
 
 def ops_module():
@@ -307,7 +308,9 @@ class FusedDecoderLayer:
                 and hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and _plain_f32(hidden_states)
                 and getattr(at.config, "_attn_implementation", None) == VARLEN_ATTN
                 and not (at.training and at.attention_dropout > 0)
-                and _same_parts(self) and not _hooked(self._fastgrpo_parts) and _params_ok(params)):
+                and _same_parts(self) and not _hooked(self._fastgrpo_parts) and _params_ok(params)
+                # one eps for both head norms in the kernel: checked at the swap, and again here
+                and (params[13] is None or at.q_norm.variance_epsilon == at.k_norm.variance_epsilon)):
             ops = ops_module()
         if ops is None:
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,

@@ -382,3 +382,17 @@ def test_qwen3_head_norms_are_fused_and_a_replaced_one_is_not(count_fused):
     torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
                                rtol=1e-5, atol=1e-5)
     assert len(count_fused) == 1
+
+
+def test_a_k_norm_eps_changed_after_the_swap_takes_the_model_own_forward(count_fused):
+    """The kernel normalises q and k heads with one eps (checked equal at the swap): a k_norm eps
+    changed later sends the layer to the model's own forward."""
+    plain = _model("qwen3")
+    fused = copy.deepcopy(plain)
+    FL.use_fused_layers(fused)
+    for m in (plain, fused):
+        m.model.layers[0].self_attn.k_norm.variance_epsilon = 0.5
+    batch = _batch(False)
+    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
+                               rtol=1e-5, atol=1e-5)
+    assert len(count_fused) == 1
