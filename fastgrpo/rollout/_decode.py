@@ -1,6 +1,6 @@
 """Decode-step pieces of the built-in torch engine (torch_engine.py): sampling, and two steppers
 that turn a token per row into next-token logits — `HFStepper` (any HF causal LM, through its
-module and DynamicCache) and `LeanStepper` (Qwen2 / Llama as flat torch ops).
+module and DynamicCache) and `LeanStepper` (Qwen2 / Qwen3 / Llama as flat torch ops).
 
 Sampling is inverse-CDF sampling with one uniform per row and step: token y is the first v whose
 running sum of p = softmax(z) exceeds u ~ U[0, 1) (cumulated in float64), so y is drawn from
@@ -92,20 +92,22 @@ class HFStepper:
         return res.logits[:, -1, :].float()
 
 
-_LEAN_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+_LEAN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 # RoPE variants whose inv_freq depends on the sequence length (recomputed per call by HF) are
 # left to the HF path; the rest are a fixed inv_freq times `attention_scaling`.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
 class LeanStepper:
-    """Decode steps of a Qwen2 / Llama decoder written as a flat sequence of torch ops over the HF
-    module's own weights, with a KV cache pre-allocated to prompt width + budget.
+    """Decode steps of a Qwen2 / Qwen3 / Llama decoder written as a flat sequence of torch ops over
+    the HF module's own weights, with a KV cache pre-allocated to prompt width + budget.
 
     Why: at hidden 64 a decode step's math is ~0.2 ms while the HF module tree (hooks, mask
     builders, cache objects, rotary module, per-layer kwargs) costs ~0.7 ms more. The ops and their
     order follow transformers' modeling_qwen2 / modeling_llama (RMSNorm in float32, rotate-half
-    RoPE, softmax attention with GQA, SiLU-gated MLP); q/k/v and gate/up are one matmul each
+    RoPE, softmax attention with GQA, SiLU-gated MLP; Qwen3's q_norm / k_norm, an RMSNorm over each
+    head's head_dim, on q and k after the projection and before RoPE, as modeling_qwen3 does, in
+    float32 like every other norm here); q/k/v and gate/up are one matmul each
     (weights concatenated once per rollout call, so the shared trainer module's latest weights are
     used). Departure: attention is written out (baddbmm / softmax / bmm) instead of HF's SDPA
     call; the two agree to ~1e-6 (tests compare tokens and log-probs with the HF path).
@@ -129,7 +131,11 @@ class LeanStepper:
         layer_types = getattr(cfg, "layer_types", None) or ()
         return (getattr(cfg, "hidden_act", None) == "silu" and rope is not None
                 and getattr(rope, "rope_type", "default") not in _DYNAMIC_ROPE
-                and all(t == "full_attention" for t in layer_types))
+                and all(t == "full_attention" for t in layer_types)
+                # one eps for every norm: the native step takes one (HF builds all from rms_norm_eps)
+                and all(getattr(layer.self_attn, n).variance_epsilon == model.model.norm.variance_epsilon
+                        for layer in model.model.layers for n in ("q_norm", "k_norm")
+                        if hasattr(layer.self_attn, n)))
 
     @staticmethod
     def native_module(model, device) -> Optional[object]:
@@ -158,13 +164,18 @@ class LeanStepper:
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
+            # Qwen3's per-head norm weights as one [nh + nkv, D] table over the q and k heads of a
+            # step's qkv (q_norm's row for each q head, k_norm's for each k head); None elsewhere
+            qk_w = (torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
+                    if hasattr(a, "q_norm") else None)
             self.layers.append((
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj),
                 a.o_proj.weight, a.o_proj.bias,
                 torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
-                m.down_proj.weight, m.down_proj.bias))
+                m.down_proj.weight, m.down_proj.bias,
+                *((a.q_norm.weight, a.k_norm.weight) if qk_w is not None else (None, None)), qk_w))
         B, width = mask.shape
         size = width + max_new_tokens
         dtype = self.embed.dtype
@@ -183,8 +194,9 @@ class LeanStepper:
         if self.native is not None:
             self.k = [k.transpose(2, 3) for k in self.k]  # the contiguous [B, Hkv, D, S] buffers
             empty = torch.empty(0, dtype=dtype)
+            # 12 a layer (lean_step.cpp): the 10 matrices / vectors, then q_norm, k_norm (empty if none)
             self._flat = [empty if t is None else (t.t().contiguous() if j in (2, 4, 6, 8) else t.contiguous())
-                          for layer in self.layers for j, t in enumerate(layer)]
+                          for layer in self.layers for j, t in enumerate(layer[:12])]
             self._norm_w, self._lm_wt = self.norm_w.contiguous(), self.lm_head.weight.t().contiguous()
             self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else empty
             self.layers = []  # the Python step's concatenated weights: not needed, not kept
@@ -240,6 +252,15 @@ class LeanStepper:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * h.to(x.dtype)
 
+    def _head_norm(self, qk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Qwen3's q_norm / k_norm on qk [b, nh + nkv, D] with the per-head weight table w
+        [nh + nkv, D]: HF's float32 RMSNorm over D, then the weight (so the same rounding)."""
+        if qk.dtype == torch.float32:
+            return torch.nn.functional.rms_norm(qk, (qk.shape[-1],), None, self.eps) * w
+        h = qk.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * h.to(qk.dtype)
+
     def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int, want_logits: bool = True) -> torch.Tensor:
         return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
                                      self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
@@ -260,9 +281,11 @@ class LeanStepper:
         # against SDPA's 77 µs at b = 64, S = 45 on one thread; query heads of one KV head are
         # the rows of one small matrix, so GQA needs no repeat of K / V.
         bias = self.bias[:, None, None, :s + 1].expand(b, nkv, g, s + 1).reshape(b * nkv, g, s + 1)
-        for i, (w_in, w_post, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down) in enumerate(self.layers):
+        for i, (w_in, w_post, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down, _, _, w_qk) in enumerate(self.layers):
             qkv = torch.nn.functional.linear(self._norm(x, w_in), w_qkv, b_qkv).view(b, nh + 2 * nkv, D)
             qk = qkv[:, :nh + nkv]         # RoPE on q and k heads together
+            if w_qk is not None:           # Qwen3: per-head RMSNorm before RoPE
+                qk = self._head_norm(qk, w_qk)
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin
             self.k[i][:, :, s] = qk[:, nh:]
             self.v[i][:, :, s] = qkv[:, nh + nkv:]

@@ -1,4 +1,4 @@
-// One decode step of a Qwen2 / Llama decoder, float32 on CPU: the native twin of
+// One decode step of a Qwen2 / Qwen3 / Llama decoder, float32 on CPU: the native twin of
 // fastgrpo/rollout/_decode.py's LeanStepper.step (same math, same weights, same mask).
 //
 // Why: at the built-in engine's sizes (hidden 64–128, a few dozen rows) a decode step from
@@ -11,6 +11,8 @@
 //   - the K cache is kept transposed ([B, Hkv, D, S]) so that the scores of a query are D
 //     contiguous AXPYs over the cached positions; the values ([B, Hkv, S, D]) are summed the
 //     same way; RoPE is applied as the new k goes into the cache;
+//   - Qwen3's q_norm / k_norm (an RMSNorm over each head's D values, before RoPE) run on a row's
+//     q and k heads in place, just before that row's RoPE (the row is still in L1);
 //   - RMSNorm in one pass per row; SiLU·up by a polynomial exp (Cephes' expf: Cody-Waite
 //     reduction, degree-6 minimax, ~1 ulp) written so the loop vectorises; the attention softmax
 //     stays one ATen call over all rows (a per-row softmax loop here measured slower: 320 vs
@@ -22,7 +24,7 @@
 // left-pad query sees no key, and attends to nothing (output 0) instead of producing NaNs.
 // JIT-compiled by fastgrpo/rollout/_native.py (torch.utils.cpp_extension) on first use; the
 // Python step is the fallback and the reference (tests compare the two). The math follows
-// transformers' modeling_qwen2 / modeling_llama as the Python step does; it departs only in
+// transformers' modeling_qwen2 / modeling_qwen3 / modeling_llama as the Python step does; it departs only in
 // float32 rounding: summation order (GEMMs accumulate over k in order, dot products in SIMD
 // lanes) and the polynomial exp.
 #include <torch/extension.h>
@@ -115,6 +117,8 @@ void gemm_block(const float* A, int64_t r, int64_t K, const float* WT, int64_t N
 // (a [64, 151936] lm_head at 24 rows: 13.1 vs 8.6 ms a step).
 constexpr int64_t kCachedWeight = 1 << 18;
 
+constexpr int64_t kPerLayer = 12;  // weights a layer in lean_step's WT (see there)
+
 // kept out of line: a throwing check inside gemm() costs the blocked loop its vectorisation
 // (measured: 165 → 433 µs a decode step)
 __attribute__((noinline)) void check_gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias,
@@ -171,6 +175,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// Qwen3's per-head RMSNorm, in place on n heads of D values at x: the formula of rms_norm above
+// (one float accumulator, 1 / sqrt), head j < nq with qw, the rest with kw
+inline void head_norm(float* x, int64_t n, int64_t nq, int64_t D, const float* qw, const float* kw, float eps) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* xj = x + j * D;
+    const float* w = j < nq ? qw : kw;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += xj[d] * xj[d];
+    const float inv = 1.f / std::sqrt(acc / static_cast<float>(D) + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) xj[d] = w[d] * (xj[d] * inv);
+  }
+}
+
 // every weight: float32 and contiguous (the loops index raw memory)
 void check_weights(const std::vector<at::Tensor>& W) {
   for (const at::Tensor& t : W)
@@ -181,8 +200,9 @@ void check_weights(const std::vector<at::Tensor>& W) {
 }  // namespace
 
 // ids [b] / pos [b] int64; slot: the cache position written (width + step); returns logits [b, V].
-// WT: 10 tensors per layer (input norm, post norm, qkv weight^T, qkv bias, o weight^T, o bias,
-// gate-up weight^T, gate-up bias, down weight^T, down bias), an empty tensor for a missing bias;
+// WT: 12 tensors per layer (input norm, post norm, qkv weight^T, qkv bias, o weight^T, o bias,
+// gate-up weight^T, gate-up bias, down weight^T, down bias, q_norm, k_norm), an empty tensor for a
+// missing bias and for the head norms of a model without them (Qwen2 / Llama);
 // KT[i]: [b, Hkv, D, S] (transposed keys), V[i]: [b, Hkv, S, D]; lm_wt: [H, vocab].
 at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot, const at::Tensor& embed,
                      const at::Tensor& cos_t, const at::Tensor& sin_t, const at::Tensor& mask_bias,
@@ -190,8 +210,8 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
                      const std::vector<at::Tensor>& V, const at::Tensor& norm_w, const at::Tensor& lm_wt,
                      const at::Tensor& lm_b, int64_t nh, int64_t nkv, int64_t D, double scaling, double eps,
                      bool want_logits) {
-  TORCH_CHECK(WT.size() == 10 * KT.size() && KT.size() == V.size(),
-              "lean_step: expected 10 weights and one K / V cache per layer");
+  TORCH_CHECK(WT.size() == kPerLayer * KT.size() && KT.size() == V.size(),
+              "lean_step: expected ", kPerLayer, " weights and one K / V cache per layer");
   TORCH_CHECK(embed.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
               "lean_step: float32 weights and int64 ids / positions expected");
   const int64_t b = ids.size(0), S = mask_bias.size(1), g = nh / nkv, half = D / 2;
@@ -214,11 +234,15 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
     const int64_t H = embed.size(1);
     TORCH_CHECK(norm_w.numel() == H, "lean_step: final norm weight of ", norm_w.numel(), " for hidden ", H);
     for (size_t i = 0; i < KT.size(); ++i) {
-      const at::Tensor* w = &WT[i * 10];
+      const at::Tensor* w = &WT[i * kPerLayer];
       TORCH_CHECK(w[0].numel() == H && w[1].numel() == H && w[2].dim() == 2 && w[2].size(0) == H &&
                       w[2].size(1) == nq * D,
                   "lean_step: layer ", i, ": norm weights [", H, "] and a q/k/v weight^T [", H, ", ", nq * D,
                   "] expected");
+      // here, not in the loops: the head norms are read D floats at a time without a check
+      TORCH_CHECK((w[10].numel() == D && w[11].numel() == D) || (!w[10].numel() && !w[11].numel()),
+                  "lean_step: layer ", i, ": q_norm / k_norm weights of ", w[10].numel(), " / ", w[11].numel(),
+                  " for head dim ", D, " (both ", D, ", or both empty)");
     }
   }
   {
@@ -237,10 +261,13 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
   at::Tensor o = at::empty({b, nh * D}, x.options());
   at::Tensor score = at::empty({b, nh, keys}, x.options());
   at::Tensor act = at::empty({b, 0}, x.options());
+  const float eps_f = static_cast<float>(eps);
   for (size_t i = 0; i < KT.size(); ++i) {
-    const at::Tensor* w = &WT[i * 10];
+    const at::Tensor* w = &WT[i * kPerLayer];
     const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[2], w[3]);  // [b, nq * D]
-    const float* qkv_p = qkv.data_ptr<float>();
+    float* qkv_p = qkv.data_ptr<float>();
+    const float* qn_p = w[10].numel() ? w[10].data_ptr<float>() : nullptr;  // Qwen3's head norms
+    const float* kn_p = w[11].numel() ? w[11].data_ptr<float>() : nullptr;
     float* k_p = KT[i].data_ptr<float>();
     float* v_p = V[i].data_ptr<float>();
     float* q_p = q.data_ptr<float>();
@@ -253,6 +280,7 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
         const float* c = cos_p + pos_p[r] * D;
         const float* sn = sin_p + pos_p[r] * D;
         const float* src = qkv_p + r * nq * D;
+        if (qn_p) head_norm(qkv_p + r * nq * D, nh + nkv, nh, D, qn_p, kn_p, eps_f);  // q, k heads; not v
         for (int64_t j = 0; j < nh + nkv; ++j) {
           const float* xj = src + j * D;
           float* dst = j < nh ? q_p + (r * nh + j) * D : rot.data();
@@ -504,7 +532,7 @@ int64_t sample_step(const at::Tensor& logits, double temperature, const at::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lean_step", &lean_step, "one float32 CPU decode step of a Qwen2 / Llama decoder (see lean_step.cpp)");
+  m.def("lean_step", &lean_step, "one float32 CPU decode step of a Qwen2 / Qwen3 / Llama decoder (see lean_step.cpp)");
   m.def("sample_step", &sample_step,
         "one decode step's sampling, log-probs, stop check and bookkeeping for a batch (see lean_step.cpp)");
 }

@@ -14,8 +14,8 @@ to the G completions of the group (vLLM's prefix cache does the same job); finis
 batch at once (compaction, like a continuous-batching scheduler that admits nothing new); the
 bookkeeping is one vectorised op per step instead of a Python loop over rows; tiny decode steps
 run on one intra-op thread (see `_threads`). With decoder="auto" on CPU float32 the native module
-(lean_step.cpp) also prefills Qwen2 / Llama prompts (`LeanStepper.native_prefill`) and runs each
-step's sampling, log-prob, stop check and bookkeeping writes in one call (`sample_step`); at 8
+(lean_step.cpp) also prefills Qwen2 / Qwen3 / Llama prompts (`LeanStepper.native_prefill`) and
+runs each step's sampling, log-prob, stop check and bookkeeping writes in one call (`sample_step`); at 8
 prompts × 8 samples × 32 tokens on the demo model that took a trainer rollout from ~11.6 to
 ~7 ms on one thread (the rest is the decode steps' GEMMs).
 
@@ -78,10 +78,10 @@ class TorchEngine(RolloutEngine):
 
     max_batch_size: completions decoded together; num_threads: intra-op threads while decoding
     (None: 1 for small steps, see `_threads`; the process's setting is restored afterwards);
-    decoder: "auto" runs Qwen2 / Llama decode steps through `LeanStepper` (_decode.py; its native
-    step, lean_step.cpp, for float32 on CPU where it builds) and any other model through its HF
-    module; "lean" is LeanStepper's Python step only; "hf" always uses the HF module (the
-    reference path).
+    decoder: "auto" runs Qwen2 / Qwen3 / Llama decode steps (full attention; sliding-window layers
+    keep the HF module) through `LeanStepper` (_decode.py; its native step, lean_step.cpp, for
+    float32 on CPU where it builds) and any other model through its HF module; "lean" is
+    LeanStepper's Python step only; "hf" always uses the HF module (the reference path).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, copy_model: bool = False,
@@ -92,9 +92,9 @@ class TorchEngine(RolloutEngine):
         if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
             raise ValueError(f"num_threads={num_threads!r}: expected an integer >= 1 or None (auto)")
         if decoder not in _DECODERS:
-            raise ValueError(f"decoder={decoder!r}: expected one of {list(_DECODERS)} ('auto': the lean Qwen2/Llama "
-                             "decoder where supported, native where it builds, else the HF module; 'lean': its "
-                             "Python step; 'hf': always the HF module)")
+            raise ValueError(f"decoder={decoder!r}: expected one of {list(_DECODERS)} ('auto': the lean "
+                             "Qwen2/Qwen3/Llama decoder where supported, native where it builds, else the HF "
+                             "module; 'lean': its Python step; 'hf': always the HF module)")
         self.num_threads = num_threads
         self.decoder = decoder
         self.model = copy.deepcopy(model) if copy_model else model
@@ -164,8 +164,8 @@ class TorchEngine(RolloutEngine):
         """(stepper, last logits [B, V], next positions [B]) after one prefill over the *distinct*
         prompts (a GRPO group repeats its prompt G times), the caches and logits then expanded to
         one row per completion. Every distinct prompt is still left-padded to the width of the
-        whole batch, as without dedup. decoder="auto" on a Qwen2 / Llama model with the native
-        step prefills through it (LeanStepper.native_prefill); otherwise the HF forward."""
+        whole batch, as without dedup. decoder="auto" on a Qwen2 / Qwen3 / Llama model with the
+        native step prefills through it (LeanStepper.native_prefill); otherwise the HF forward."""
         index, uniq, inv = {}, [], []
         for p in prompt_ids:
             key = tuple(p)
