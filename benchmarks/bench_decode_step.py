@@ -20,6 +20,8 @@ from benchmarks.harness import Bench, time_interleaved
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"],
+                    help="tiny model architecture (qwen3: with its per-head q / k norms)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
@@ -39,7 +41,7 @@ def main(argv=None):
 
     if lean_step_module() is None:
         raise SystemExit("the native decode step could not be built here (see the warning above)")
-    model, _ = build_tiny_model("qwen2", hidden_size=a.hidden, num_hidden_layers=a.layers,
+    model, _ = build_tiny_model(a.arch, hidden_size=a.hidden, num_hidden_layers=a.layers,
                                 num_attention_heads=a.heads, num_key_value_heads=1, head_dim=a.hidden // a.heads,
                                 intermediate_size=2 * a.hidden)
     model.eval()
@@ -64,7 +66,7 @@ def main(argv=None):
                           "native": lambda: steppers[True].step(nxt, pos, slot)}, a.repeats, warmup=20)
                 base = st["python"].median_s
                 for name, s in st.items():
-                    bench.add(case=f"{name} step", shape=f"h{a.hidden}xL{a.layers},rows={rows},positions={p}",
+                    bench.add(case=f"{name} step", shape=f"{a.arch},h{a.hidden}xL{a.layers},rows={rows},positions={p}",
                               stats=s, extra={"us_per_step": round(s.median_s * 1e6, 1),
                                               "speedup": round(base / s.median_s, 2)})
         with torch.inference_mode():

@@ -396,3 +396,10 @@ def test_a_k_norm_eps_changed_after_the_swap_takes_the_model_own_forward(count_f
     torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
                                rtol=1e-5, atol=1e-5)
     assert len(count_fused) == 1
+
+
+def test_the_demo_builder_makes_qwen3_models_the_fused_layers_take():
+    from fastgrpo.demo.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("qwen3")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and FL.use_fused_layers(model) == 2

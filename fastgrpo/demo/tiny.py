@@ -54,9 +54,9 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: int = 6
                 max_position_embeddings: int = 512, **overrides):
     """HF config of a tiny decoder. head_dim 32 by default: vLLM's CPU attention needs
     head_dim in {32, 64, 80, 96, 112, 128, …}."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
     if arch not in classes:
         raise ValueError(f"arch={arch!r}: expected one of {sorted(classes)}")
     kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
