@@ -27,7 +27,8 @@ setup(
     + [f"fastgrpo.{p}" for p in ("rewards", "rollout", "sync", "integrations", "demo")],
     package_dir={"fastgrpo": "fastgrpo", "fastgrpo.kernels": "kernels"},
     # the native sources, JIT-compiled for the host on first use (fastgrpo/_jit.py)
-    package_data={"fastgrpo.rollout": ["lean_step.cpp"], "fastgrpo": ["train_ops.cpp"]},
+    package_data={"fastgrpo.rollout": ["lean_step.cpp", "sample_step.cpp"],
+                  "fastgrpo": ["train_ops.cpp", "train_attn.cpp", "native_math.h"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

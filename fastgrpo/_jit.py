@@ -18,7 +18,7 @@ import platform
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 from . import env
 
@@ -32,19 +32,29 @@ def _cpu_flags() -> str:
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 
-def build_dir(stem: str, source: str, openmp: bool = False) -> str:
-    """Where this machine's build of `source` lives (see the module doc)."""
+# headers the sources include (part of every build's hash)
+HEADERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_math.h"),)
+
+
+def _sources(source) -> List[str]:
+    return [source] if isinstance(source, str) else list(source)
+
+
+def build_dir(stem: str, source: Union[str, Sequence[str]], openmp: bool = False) -> str:
+    """Where this machine's build of `source` (one file or several) lives (see the module doc)."""
     import torch
 
-    with open(source, "rb") as f:
-        src = f.read()
+    parts = []
+    for path in _sources(source) + list(HEADERS):
+        with open(path, "rb") as f:
+            parts.append(f.read())
     flags = " ".join(_CFLAGS + (["-fopenmp"] if openmp else []))
-    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), sys.version.encode(),
-                                     _cpu_flags().encode(), flags.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join(parts + [torch.__version__.encode(), sys.version.encode(),
+                                             _cpu_flags().encode(), flags.encode()])).hexdigest()[:16]
     return os.path.join(env.ext_dir(), f"{stem}_{key}")
 
 
-def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: float,
+def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str, lock_timeout_s: float,
           openmp: bool = False) -> Optional[object]:
     """The compiled module of `source`, or None after a warning naming `what` and `fallback`.
     `openmp`: compile and link with -fopenmp, so that `at::parallel_for` in the source runs on
@@ -73,7 +83,7 @@ def build(stem: str, source: str, what: str, fallback: str, lock_timeout_s: floa
                 os.remove(stale)
             env.ninja_on_path()
             omp = ["-fopenmp"] if openmp else []
-            return load(name=f"fastgrpo_{stem}_{key}", sources=[source], build_directory=folder,
+            return load(name=f"fastgrpo_{stem}_{key}", sources=_sources(source), build_directory=folder,
                         extra_cflags=_CFLAGS + omp, extra_ldflags=omp, verbose=False)
     except Exception as e:  # noqa: BLE001 — any build failure means: the Python path
         msg = str(e).strip().splitlines()

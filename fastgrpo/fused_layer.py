@@ -10,7 +10,8 @@ widths, where GEMMs dominate (`python -m benchmarks.bench_fused_layer --threads 
 
 `FusedDecoderLayer` runs the whole layer as one autograd function with four GEMMs forward
 (q‖k‖v, o, gate‖up, down: the projections of one input concatenated into one product) and
-eight backward, and the rest as one-pass C++ loops (`train_ops.cpp`, JIT-built for the host
+eight backward, and the rest as one-pass C++ loops (`train_ops.cpp`, the attention in
+`train_attn.cpp`, JIT-built for the host
 like the native decode step, `fastgrpo._jit`): RMSNorm (and Qwen3's per-head q / k norms), RoPE
 in place on the q‖k columns,
 varlen causal attention over the packed segments (with the shared-prefix layout of
@@ -52,7 +53,7 @@ from torch.autograd.function import once_differentiable
 from . import _jit, cpu_gemm, env
 from .models import _PACKED_CALL, PAD_KWARG, PREFIX_KWARG, VARLEN_ATTN, _version
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_ops.cpp")
+SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("train_ops.cpp", "train_attn.cpp")]
 LOCK_TIMEOUT_S = 300
 # set on a model by use_fused_layers
 FUSED_ATTR = "_fastgrpo_fused_layers"
@@ -76,7 +77,7 @@ _NORM_MODULES = {
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    return _jit.build("train_ops", SOURCE, "the fused training layers", "the model's own layers", LOCK_TIMEOUT_S,
+    return _jit.build("train_ops", SOURCES, "the fused training layers", "the model's own layers", LOCK_TIMEOUT_S,
                       openmp=True)
 
 

@@ -16,6 +16,8 @@ from .. import _jit, env
 # a concurrent build takes ~20 s; past this the waiting process warns and takes the Python step
 LOCK_TIMEOUT_S = 300
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lean_step.cpp")
+# the sampler, bound into the same module (lean_step.cpp declares it)
+SAMPLE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_step.cpp")
 
 
 def enabled() -> bool:
@@ -24,12 +26,13 @@ def enabled() -> bool:
 
 def build_dir() -> str:
     """Where this machine's build of SOURCE lives (see fastgrpo._jit)."""
-    return _jit.build_dir("lean_step", SOURCE)
+    return _jit.build_dir("lean_step", [SOURCE, SAMPLE_SOURCE])
 
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    return _jit.build("lean_step", SOURCE, "the native decode step", "the Python step", LOCK_TIMEOUT_S)
+    return _jit.build("lean_step", [SOURCE, SAMPLE_SOURCE], "the native decode step", "the Python step",
+                      LOCK_TIMEOUT_S)
 
 
 def lean_step_module() -> Optional[object]:

@@ -15,12 +15,8 @@ from fastgrpo.rollout._decode import LeanStepper
 from fastgrpo.rollout.torch_engine import TorchEngine
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: the engine's choice for steps this small, and the native step's condition
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_it_builds_here():

@@ -19,13 +19,8 @@ PROMPTS = ["1+2=", "12*34-5=", "a", "(7+8)*9="]
 SHAPES = [(2, 1, 32, False), (4, 2, 16, True)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the engine's choice for steps this small, and the native step's condition
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: the engine's choice for steps this small, and the native step's condition
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _qwen3(heads=2, kv=1, head_dim=32, bias=False, seed=0, **over):
