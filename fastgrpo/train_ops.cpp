@@ -31,6 +31,28 @@ inline at::Tensor empty_f32(std::initializer_list<int64_t> shape) {
   return at::empty(shape, at::TensorOptions().dtype(at::kFloat));
 }
 
+// The gradient of y = w · x · r (r = rsqrt(mean(x²) + eps)) over one vector of n values: out =
+// add + r · (g·w − x·r·mean(g·w·x·r)) (add may be null; out may alias g), and dw += g · x · r.
+// Shared by the row norm and Qwen3's per-head norms.
+inline void rms_grad(const float* g, const float* x, const float* w, float r, int64_t n, const float* add,
+                     float* out, float* dw) {
+  float c = 0.0f;
+#pragma omp simd reduction(+ : c)
+  for (int64_t j = 0; j < n; ++j) {
+    const float xh = x[j] * r;
+    c += g[j] * w[j] * xh;
+    dw[j] += g[j] * xh;
+  }
+  c /= static_cast<float>(n);
+  if (add) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = add[j] + r * (g[j] * w[j] - x[j] * r * c);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = r * (g[j] * w[j] - x[j] * r * c);
+  }
+}
+
 }  // namespace
 
 // y = w · x · rsqrt(mean(x²) + eps) per row; returns (y [T, H], rstd [T]).
@@ -67,29 +89,8 @@ namespace {
 __attribute__((noinline)) void rmsnorm_bwd_rows(int64_t b, int64_t end, int64_t H, const float* gp, const float* xp,
                                                 const float* wp, const float* rp, const float* dp, float* op,
                                                 float* dw) {
-  const float invH = 1.0f / static_cast<float>(H);
-  for (int64_t t = b; t < end; ++t) {
-    const float* xr = xp + t * H;
-    const float* gr = gp + t * H;
-    float* orow = op + t * H;
-    const float r = rp[t];
-    float c = 0.0f;
-#pragma omp simd reduction(+ : c)
-    for (int64_t j = 0; j < H; ++j) {
-      const float xh = xr[j] * r;
-      c += gr[j] * wp[j] * xh;
-      dw[j] += gr[j] * xh;
-    }
-    c *= invH;
-    if (dp) {
-      const float* dr = dp + t * H;
-#pragma omp simd
-      for (int64_t j = 0; j < H; ++j) orow[j] = dr[j] + r * (gr[j] * wp[j] - xr[j] * r * c);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < H; ++j) orow[j] = r * (gr[j] * wp[j] - xr[j] * r * c);
-    }
-  }
+  for (int64_t t = b; t < end; ++t)
+    rms_grad(gp + t * H, xp + t * H, wp, rp[t], H, dp ? dp + t * H : nullptr, op + t * H, dw);
 }
 
 }  // namespace
@@ -225,26 +226,12 @@ __attribute__((noinline)) void head_rmsnorm_rows(int64_t b, int64_t end, int64_t
 __attribute__((noinline)) void head_rmsnorm_bwd_rows(int64_t b, int64_t end, int64_t W, int64_t nq, int64_t nh,
                                                      int64_t D, float* g, const float* pp, const float* rp,
                                                      const float* wqp, const float* wkp, float* dw) {
-  const float invD = 1.0f / static_cast<float>(D);
-  for (int64_t t = b; t < end; ++t) {
+  for (int64_t t = b; t < end; ++t)
     for (int64_t h = 0; h < nh; ++h) {
-      float* gr = g + t * W + h * D;
-      const float* x = pp + (t * nh + h) * D;
-      const float* w = h < nq ? wqp : wkp;
-      float* dww = dw + (h < nq ? 0 : D);
-      const float r = rp[t * nh + h];
-      float c = 0.0f;
-#pragma omp simd reduction(+ : c)
-      for (int64_t d = 0; d < D; ++d) {
-        const float xh = x[d] * r;
-        c += gr[d] * w[d] * xh;
-        dww[d] += gr[d] * xh;
-      }
-      c *= invD;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) gr[d] = r * (gr[d] * w[d] - x[d] * r * c);
+      float* gr = g + t * W + h * D;  // in place
+      rms_grad(gr, pp + (t * nh + h) * D, h < nq ? wqp : wkp, rp[t * nh + h], D, nullptr, gr,
+               dw + (h < nq ? 0 : D));
     }
-  }
 }
 
 }  // namespace
