@@ -305,7 +305,10 @@ class FusedDecoderLayer:
         at = self.self_attn
         params = _layer_params(self)
         ops = None
-        if (cu is not None and past_key_values is None and self._fastgrpo_shapes == _shapes(params) and attention_mask is None and position_embeddings is not None
+        if (cu is not None and past_key_values is None and attention_mask is None
+                and self._fastgrpo_shapes == _shapes(params)
+                # the model's own RoPE tables over the full head dim (partial rotary: not this kernel's)
+                and position_embeddings is not None and position_embeddings[0].shape[-1] == self._fastgrpo_heads[2]
                 and hidden_states.dim() == 3 and hidden_states.shape[0] == 1 and _plain_f32(hidden_states)
                 and getattr(at.config, "_attn_implementation", None) == VARLEN_ATTN
                 and not (at.training and at.attention_dropout > 0)
@@ -327,10 +330,6 @@ class FusedDecoderLayer:
         cos, sin = position_embeddings
         cos, sin = (c.reshape(t, c.shape[-1]).float().contiguous() for c in (cos, sin))
         nq, nk, d = self._fastgrpo_heads
-        if cos.shape[1] != d:  # partial rotary: not this kernel's
-            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, **kwargs)
         dnn = cpu_gemm._enabled() and t >= cpu_gemm.MIN_ROWS and cpu_gemm.padded_rows(t) == t
         spec = _Spec(ops=ops, seg=seg, nq=nq, nk=nk, d=d, scale=float(at.scaling),
                      eps1=float(self.input_layernorm.variance_epsilon),
