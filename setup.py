@@ -1,6 +1,6 @@
 """Build: the `fastgrpo` package, `kernels/` installed as `fastgrpo.kernels`, and `csrc/`
 compiled by pybind11 into `fastgrpo._C`. The extension is optional at run time: every
-function in it has a pure-Python twin (see fastgrpo/_cext.py), so a failed C++ build
+function in it has a pure-Python twin (see fastgrpo/native/ext.py), so a failed C++ build
 leaves a working, slower install instead of no install."""
 import glob
 import os

@@ -1,4 +1,4 @@
-"""float32 CPU linears: PyTorch's default (`F.linear`, MKL sgemm) vs fastgrpo.cpu_gemm (oneDNN),
+"""float32 CPU linears: PyTorch's default (`F.linear`, MKL sgemm) vs fastgrpo.models.onednn (oneDNN),
 side by side (the two alternate within each repeat), medians.
 
 Cases: the three products of a linear layer (forward, input gradient, weight gradient) at the
@@ -20,7 +20,7 @@ def _products(bench, rows, k, n, repeats):
     # FLOPs of each product: 2·rows·k·n (one multiply-add per output element per k); reported
     # as GFLOP/s, against ~105 (MKL's AVX2 path) and ~220 (oneDNN's AVX-512) at best on one core
     # of the CI machine (a 1024³ product: 109 / 230 GFLOP/s)
-    from fastgrpo.cpu_gemm import _mm
+    from fastgrpo.models.onednn import _mm
 
     gen = torch.Generator().manual_seed(0)
     x, w, g = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(rows, n, generator=gen)
@@ -41,9 +41,9 @@ def _products(bench, rows, k, n, repeats):
 def _model(bench, repeats, completions, seed=0):
     import copy
 
-    from fastgrpo.cpu_gemm import use_onednn_linears
-    from fastgrpo.demo.tiny import build_tiny_model
-    from fastgrpo.models import packed_hidden_states
+    from fastgrpo.models.onednn import use_onednn_linears
+    from fastgrpo.models.tiny import build_tiny_model
+    from fastgrpo.models.packed import packed_hidden_states
     from fastgrpo.packing import build_packed_batches
 
     model, _ = build_tiny_model("qwen2", seed=seed, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -81,7 +81,7 @@ def main(argv=None):
         raise ValueError(f"--repeats={a.repeats}: expected an integer >= 1")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from fastgrpo.cpu_gemm import onednn_enabled
+    from fastgrpo.models.onednn import onednn_enabled
 
     print(f"[bench_cpu_gemm] CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"oneDNN linears enabled: {onednn_enabled()}")

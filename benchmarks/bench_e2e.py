@@ -47,7 +47,7 @@ class FastgrpoStepper:
 
     def __init__(self, a, out_dir):
         from fastgrpo.config import load_config
-        from fastgrpo.trainer import Trainer
+        from fastgrpo.trainer.grpo import Trainer
 
         cfg = load_config(overrides=[
             f"steps={10 ** 6}", f"seed={a.seed}", "sft_first=false",
@@ -81,16 +81,16 @@ class FastgrpoStepper:
 def _trl_parts(a):
     from datasets import Dataset
 
-    from fastgrpo.builders import build_model, build_task
+    from fastgrpo.trainer.build import build_model, build_task
     from fastgrpo.config import load_config
-    from fastgrpo.cpu_gemm import restore_linears
-    from fastgrpo.fused_layer import restore_layers
+    from fastgrpo.models.onednn import restore_linears
+    from fastgrpo.models.fused_layer import restore_layers
 
     cfg = load_config(overrides=[f"seed={a.seed}"])
     model, tok = build_model(cfg.model)  # the same tiny model fastgrpo's Trainer builds
     # ... with the plain nn.Linear and decoder layers a TRL user's HF model has (fastgrpo's
-    # build_model puts float32 CPU linears on oneDNN, fastgrpo.cpu_gemm, and packed training
-    # forwards through fused layers, fastgrpo.fused_layer: fastgrpo's, not TRL's)
+    # build_model puts float32 CPU linears on oneDNN, fastgrpo.models.onednn, and packed training
+    # forwards through fused layers, fastgrpo.models.fused_layer: fastgrpo's, not TRL's)
     restore_linears(model)
     restore_layers(model)
     task = build_task(cfg.data)

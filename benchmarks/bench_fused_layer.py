@@ -1,5 +1,5 @@
 """Packed forward + backward of float32 CPU models: the model's own decoder layers (with the oneDNN
-linears of fastgrpo.cpu_gemm, the previous default) vs fastgrpo.fused_layer, side by side (the
+linears of fastgrpo.models.onednn, the previous default) vs fastgrpo.models.fused_layer, side by side (the
 two alternate within each repeat), medians.
 
 A case is a model shape and a packed batch of P prompts × G completions in the trainer's
@@ -28,10 +28,10 @@ CASES = {
 
 
 def _case(bench, name, shape, repeats, prompts, group, seed=0):
-    from fastgrpo.cpu_gemm import use_onednn_linears
-    from fastgrpo.demo.tiny import build_tiny_model
-    from fastgrpo.fused_layer import restore_layers, use_fused_layers
-    from fastgrpo.models import can_share_prefix, packed_forward, packing_attn_coef
+    from fastgrpo.models.onednn import use_onednn_linears
+    from fastgrpo.models.tiny import build_tiny_model
+    from fastgrpo.models.fused_layer import restore_layers, use_fused_layers
+    from fastgrpo.models.packed import can_share_prefix, packed_forward, packing_attn_coef
     from fastgrpo.packing import build_packed_batches
 
     hidden, layers, heads, kv, hd, inter, (lo, hi) = shape

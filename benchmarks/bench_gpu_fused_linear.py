@@ -41,7 +41,7 @@ def make_inputs(n, h, v, dtype, device, seed=0):
 
 
 def config(level="token"):
-    from fastgrpo.kernels.common import LossConfig
+    from fastgrpo.kernels.contract import LossConfig
 
     return LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl="k3", loss_agg="token-mean", ratio_level=level)
 

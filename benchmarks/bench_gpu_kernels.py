@@ -50,7 +50,7 @@ def _logp_rows(logits, targets, rows=4096):
 
 
 def config():
-    from fastgrpo.kernels.common import LossConfig
+    from fastgrpo.kernels.contract import LossConfig
 
     # The setting all three implementations share: DAPO clip-higher, k3 KL, token-mean.
     return LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl="k3", loss_agg="token-mean")
@@ -147,8 +147,8 @@ def check(device, dtype, cpu_smoke):
 def run_bench(ns, vs, dtype, device, bench):
     import torch
 
-    from fastgrpo.kernels.grpo_loss import grpo_loss_bwd
-    from fastgrpo.kernels.logprobs import token_logprobs_fwd
+    from fastgrpo.kernels.triton.grpo_loss import grpo_loss_bwd
+    from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 
     liger = try_import("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
     trl_ok = try_import("trl.trainer.utils", "selective_log_softmax") is not None

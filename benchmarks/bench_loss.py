@@ -51,7 +51,7 @@ def _inputs(n: int, v: int, dtype: str, seq_len: int, seed: int = 0):
 
 
 def _objective(logp, p):
-    from fastgrpo.kernels.common import LossConfig
+    from fastgrpo.kernels.contract import LossConfig
     from fastgrpo.kernels.objective import objective_loss, prepare_objective
 
     cfg = LossConfig(eps_high=0.28)

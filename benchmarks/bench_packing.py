@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from benchmarks.harness import Bench, time_fn
-from fastgrpo import _cext
-from fastgrpo import packing as P
+from fastgrpo.native import ext as _cext
+from fastgrpo.packing import bins as P
 
 
 def cot_lengths(rng: np.random.Generator, n_prompts: int, group: int = 8, median: float = 1200.0,
@@ -115,7 +115,7 @@ def timing(bench: Bench, args, rng) -> None:
 def _tiny_model():
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.demo.tiny import tiny_config
+    from fastgrpo.models.tiny import tiny_config
 
     cfg = tiny_config("qwen2", vocab_size=100, hidden_size=64, num_hidden_layers=2)
     cfg._attn_implementation = "sdpa"
@@ -125,7 +125,7 @@ def _tiny_model():
 
 def model_throughput(bench: Bench, args, rng) -> None:
     """fwd+bwd of a token-mean NLL over completion tokens, packed vs padded, same sequences."""
-    from fastgrpo.models import packed_logprobs
+    from fastgrpo.models.packed import packed_logprobs
 
     n = args.model_seqs
     # Scaled to CPU: the same long-tailed shape (log-normal, σ = 1.1) at 1/16 of the lengths.

@@ -21,7 +21,7 @@ import time
 from benchmarks.harness import Bench, Stats, time_fn
 from fastgrpo.rewards import RewardPool, code_reward, math_reward
 from fastgrpo.rewards.math import extract_answer, verify_one
-from fastgrpo.rewards.sandbox import run_python, sandbox_python
+from fastgrpo.rewards.sandbox.runner import run_python, sandbox_python
 
 # Eight answer shapes; the number k makes every item distinct (no cache hit inside Math-Verify
 # or the per-call de-duplication), so the rate is that of fresh verifications.

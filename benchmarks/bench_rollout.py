@@ -48,7 +48,7 @@ def _previous_engine_class(rev: str = ""):
     try:
         revs = [rev] if rev else _git("log", "--format=%H", "--", rel).split()
         src = next((text for text in (_git("show", f"{r}:{rel}") for r in revs)
-                    if rev or "fastgrpo.rollout._decode" not in text), None)
+                    if rev or "fastgrpo.rollout.decoders" not in text), None)
     except Exception:
         return None
     if src is None:
@@ -75,7 +75,7 @@ def _parse_config(text: str) -> Tuple[int, int, int, int, int]:
 
 
 def _cases(hidden, layers, prompts, group, max_new, seed, baseline_rev="") -> Tuple[Dict[str, Callable[[], int]], int]:
-    from fastgrpo.demo.tiny import build_tiny_model
+    from fastgrpo.models.tiny import build_tiny_model
     from fastgrpo.rollout.base import SamplingConfig
     from fastgrpo.rollout.torch_engine import TorchEngine
 

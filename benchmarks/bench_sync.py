@@ -30,7 +30,7 @@ from benchmarks.harness import Bench, time_fn  # noqa: E402
 
 
 def build(layers: int, hidden: int, vocab: int, seed: int = 0):
-    from fastgrpo.demo.tiny import build_tiny_model
+    from fastgrpo.models.tiny import build_tiny_model
 
     heads = hidden // 64
     return build_tiny_model("qwen2", seed=seed, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     if a.repeats < 5:
         ap.error("--repeats must be >= 5 (medians of at least 5 runs)")
 
-    from fastgrpo.demo.tiny import build_tiny_model
+    from fastgrpo.models.tiny import build_tiny_model
     from fastgrpo.rollout import SamplingConfig
     from fastgrpo.rollout.torch_engine import TorchEngine
     from fastgrpo.rollout.vllm_engine import VLLMEngine

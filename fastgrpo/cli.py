@@ -15,7 +15,7 @@ happens here (house style rule 5).
 
 Under a multi-process launch only rank 0 prints (and draws the progress bar); the
 `--local_rank=N` that the `deepspeed` launcher adds is accepted and ignored (the rank is read
-from the launcher's LOCAL_RANK environment variable, fastgrpo.distributed.launcher_env).
+from the launcher's LOCAL_RANK environment variable, fastgrpo.trainer.backend.launcher_env).
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args):
     """TrainConfig of parsed args: the embedded demo (or --config), --set, --out, --nvtx."""
-    from .config import load_config
-    from .demo.default import default_config
+    from fastgrpo.config import load_config
+    from fastgrpo.demo.default import default_config
 
     overrides = list(args.overrides)
     if args.nvtx:
@@ -73,7 +73,7 @@ def strip_local_rank(argv: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .distributed import launcher_env
+    from fastgrpo.trainer.backend import launcher_env
 
     argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -95,8 +95,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         log(f"fastgrpo: {e}", file=sys.stderr)
         return 2
-    from . import pipeline
-    from .trainer import TrainingStopped
+    from fastgrpo import pipeline
+    from fastgrpo.trainer.grpo import TrainingStopped
 
     run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only, "eval": pipeline.run_eval,
            "bench": pipeline.run_bench}[args.command]

@@ -49,10 +49,14 @@ class RolloutConfig:
     prompts_per_step: int = 16  # prompts per rollout batch (G·prompts sequences)
     temperature: float = 1.0  # sampling temperature; also the loss temperature τ
     top_p: float = 1.0  # nucleus sampling (1 = off, keeps the sampling distribution = the policy)
-    top_k: int = -1  # top-k sampling (-1 = off)
+    top_k: int = 0  # top-k sampling (0 = off, as in SamplingConfig; -1, the older spelling of off, reads as 0)
     max_new_tokens: int = 24  # completion length cap; longer completions count as truncated
     gpu_memory_utilization: float = 0.3  # vLLM: fraction of accelerator memory for weights + KV cache
     sleep_between_steps: bool = False  # vLLM: release KV cache during the update (colocated engine)
+
+    def __post_init__(self):
+        if self.top_k == -1:  # one meaning of "off" everywhere: 0
+            self.top_k = 0
 
 
 @dataclass
@@ -69,6 +73,7 @@ class AlgorithmConfig:
     adv_std: str = "group"  # advantage scaling: group | batch | none
     drop_zero_std: bool = True  # skip groups whose rewards are all equal (they carry no gradient)
     dynamic_sampling: bool = False  # DAPO: resample prompts until the batch has no zero-σ group
+    dynamic_max_rounds: int = 4  # dynamic sampling: at most this many sampling rounds per step
     inner_steps: int = 1  # K: updates per rollout batch reusing the stored old log-probs
     eps_low: float = 0.2  # lower clip: ratio clipped at 1 − eps_low
     eps_high: float = 0.28  # upper clip (DAPO clip-higher)
@@ -86,7 +91,7 @@ class AlgorithmConfig:
 
     def loss_config(self, temperature: float, max_len: Optional[int] = None):
         """The kernels' LossConfig for these fields (it validates them once more)."""
-        from fastgrpo.kernels.common import LossConfig
+        from fastgrpo.kernels.contract import LossConfig
 
         return LossConfig(temperature=temperature, eps_low=self.eps_low, eps_high=self.eps_high,
                           dual_clip_c=self.dual_clip_c, delta=self.delta, beta=self.beta, kl=self.kl,
@@ -211,11 +216,11 @@ _CHECKS = {
     "data.num_heldout": _NONNEG,
     "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
     "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    "rollout.top_k": ((lambda v: v == -1 or v >= 1), "-1 (off) or an integer >= 1"),
+    "rollout.top_k": ((lambda v: v >= -1), "0 (off) or an integer >= 1"),
     "rollout.max_new_tokens": _POS_INT, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
     "rewards.on_error": _choice("zero", "drop"),
     "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
-    "algorithm.inner_steps": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
+    "algorithm.inner_steps": _POS_INT, "algorithm.dynamic_max_rounds": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
     "algorithm.weighting": _choice("inverse_pass", "uniform"),
     "algorithm.loss_impl": _choice("auto", "reference", "torch", "triton"),
     "packing.max_tokens": _POS_INT,

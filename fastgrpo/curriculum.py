@@ -65,43 +65,56 @@ def filter_best_of_n(rewards_by_prompt: Mapping[Hashable, Sequence[float]], n: i
 
 @dataclass
 class DynamicSamplingResult:
-    groups: List[Any]  # kept groups (rewards not all equal), at most `num_groups`
+    rounds: List[Any]  # what each call of `generate` returned, in order
     tries: int  # calls made to `generate`
-    dropped: int  # groups discarded for all-equal rewards
+    kept: int  # informative groups over all rounds (over all ranks when `agree` sums them)
+    seen: int  # groups generated over all rounds (idem)
     full: bool  # whether the batch reached num_groups
 
     def metrics(self) -> Dict[str, float]:
-        seen = len(self.groups) + self.dropped
         return {"curriculum/dynamic_tries": float(self.tries),
-                "curriculum/dynamic_drop_frac": self.dropped / seen if seen else 0.0,
+                "curriculum/dynamic_drop_frac": 1.0 - self.kept / self.seen if self.seen else 0.0,
                 "curriculum/dynamic_full": float(self.full)}
 
 
-def dynamic_sampling(generate: Callable[[int], Sequence[Any]], num_groups: int, *,
-                     rewards_of: Callable[[Any], Sequence[float]] = lambda g: g.rewards, max_tries: int = 4,
-                     oversample: float = 1.0, atol: float = 1e-9) -> DynamicSamplingResult:
-    """DAPO dynamic sampling. `generate(k)` returns k (or any number of) new groups; groups whose
-    rewards are all equal (within atol) are dropped and the batch refilled, at most `max_tries`
-    calls. `oversample` asks for more than missing (e.g. 1.5 when ~1/3 of groups are dropped).
-    Returns what was kept even when not full: the trainer decides whether to train on it."""
+def informative(rewards: Sequence[Optional[float]], atol: float = 1e-9) -> bool:
+    """Whether a group's rewards differ (σ > 0 within atol): a group of equal rewards has zero
+    advantages and teaches nothing. None rewards (unverifiable) are ignored."""
+    rs = [float(r) for r in rewards if r is not None]
+    return len(rs) >= 2 and max(rs) - min(rs) > atol
+
+
+def dynamic_sampling(generate: Callable[[int], Any], num_groups: int, *, kept_of: Callable[[Any], int],
+                     size_of: Callable[[Any], int] = len, max_tries: int = 4, oversample: float = 1.0,
+                     agree: Callable[[int], int] = int) -> DynamicSamplingResult:
+    """DAPO dynamic sampling: call `generate(k)` for k new groups until `num_groups` informative
+    groups are in hand, at most `max_tries` calls. The trainer's step and any caller share it.
+
+    `generate(k)` returns one round (any object: the trainer's holds prompts, rollouts, rewards and
+    a keep mask); `kept_of(round)` counts its groups worth training on, `size_of(round)` all of its
+    groups. `agree(n)` turns this process's count into the count every data-parallel rank uses (a
+    sum all-reduce), so that all ranks take the same number of rounds; k is then what is missing
+    over all ranks. `oversample` asks for more than missing (e.g. 1.5 when ~1/3 are dropped).
+    Returns every round, kept or not, even when not full: the caller decides what to train on
+    (the trainer trains on the kept groups and logs metrics over all of them)."""
     if not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"num_groups={num_groups!r}: expected a positive int")
     if not isinstance(max_tries, int) or max_tries < 1:
         raise ValueError(f"max_tries={max_tries!r}: expected a positive int")
     if not oversample >= 1.0:
         raise ValueError(f"oversample={oversample!r}: expected ≥ 1.0")
-    kept: List[Any] = []
-    dropped = tries = 0
-    while len(kept) < num_groups and tries < max_tries:
-        missing = num_groups - len(kept)
-        tries += 1
-        for g in generate(int(math.ceil(missing * oversample))):
-            rs = [float(r) for r in rewards_of(g) if r is not None]
-            if len(rs) >= 2 and max(rs) - min(rs) > atol and len(kept) < num_groups:
-                kept.append(g)
-            else:
-                dropped += 1
-    return DynamicSamplingResult(kept, tries, dropped, len(kept) >= num_groups)
+    rounds: List[Any] = []
+    kept = seen = 0
+    while len(rounds) < max_tries:
+        total = int(agree(kept)) if rounds else 0
+        if total >= num_groups:
+            break
+        r = generate(max(int(math.ceil((num_groups - total) * oversample)), 1))
+        rounds.append(r)
+        kept += int(kept_of(r))
+        seen += int(size_of(r))
+    total, seen_all = int(agree(kept)), int(agree(seen))
+    return DynamicSamplingResult(rounds, len(rounds), total, seen_all, total >= num_groups)
 
 
 @dataclass

@@ -37,19 +37,19 @@ def disable_ext() -> bool:
 def native_decode() -> bool:
     """FASTGRPO_NATIVE_DECODE=0: the built-in engine keeps LeanStepper's Python step, the HF
     prefill and the Python sampler (`_decode.pick`) instead of the JIT-built native step, prefill
-    and sampler (fastgrpo/rollout/lean_step.cpp; default on)."""
+    and sampler (csrc/jit/decode_step.cpp + sampler.cpp; default on)."""
     return _flag("FASTGRPO_NATIVE_DECODE", True)
 
 
 def fused_layers() -> bool:
     """FASTGRPO_FUSED_LAYERS=0: packed float32 CPU training forwards keep the model's own decoder
-    layers instead of the fused ones (fastgrpo/fused_layer.py, train_ops.cpp; default on)."""
+    layers instead of the fused ones (fastgrpo/models/fused_layer.py, csrc/jit/train_ops.cpp; default on)."""
     return _flag("FASTGRPO_FUSED_LAYERS", True)
 
 
 def malloc_tune() -> bool:
     """FASTGRPO_MALLOC_TUNE=0: leave glibc malloc's mmap / trim thresholds as they are instead of
-    keeping freed activation buffers for reuse (fastgrpo/allocator.py; default on)."""
+    keeping freed activation buffers for reuse (fastgrpo/native/allocator.py; default on)."""
     return _flag("FASTGRPO_MALLOC_TUNE", True)
 
 
@@ -82,7 +82,7 @@ _CPU_GEMM_MODES = ("auto", "onednn", "mkl", "off")
 
 def cpu_gemm() -> str:
     """FASTGRPO_CPU_GEMM: float32 CPU linears on oneDNN — auto (default: AMD CPUs where PyTorch
-    runs AVX-512 kernels), onednn (wherever the op exists), mkl / off (never); see fastgrpo.cpu_gemm."""
+    runs AVX-512 kernels), onednn (wherever the op exists), mkl / off (never); see fastgrpo.models.onednn."""
     raw = (os.environ.get("FASTGRPO_CPU_GEMM") or "auto").strip().lower()
     if raw not in _CPU_GEMM_MODES:
         raise ValueError(f"FASTGRPO_CPU_GEMM={raw!r}: expected one of {', '.join(_CPU_GEMM_MODES)}")

@@ -15,13 +15,12 @@ pass over the logits): any non-finite value in a row makes that row's log-sum-ex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from fastgrpo import env
-from fastgrpo.kernels.common import (
+from fastgrpo.kernels.contract import (
     IMPLS,
     LossConfig,
     LossOutput,
@@ -30,8 +29,7 @@ from fastgrpo.kernels.common import (
     check_token_vector,
 )
 
-__all__ = ["LossConfig", "LossOutput", "grpo_loss", "token_logprobs", "fused_linear_grpo_loss",
-           "trl_loss_config", "TrlLossSpec"]
+__all__ = ["LossConfig", "LossOutput", "grpo_loss", "token_logprobs", "fused_linear_grpo_loss", "FusedLinearGRPOLoss"]
 
 
 def _resolve_impl(impl: str, tensor: torch.Tensor, what: str) -> str:
@@ -48,9 +46,8 @@ def _resolve_impl(impl: str, tensor: torch.Tensor, what: str) -> str:
     return impl
 
 
-_TRITON_MODULES = {"loss": ("fastgrpo.kernels.grpo_loss", "grpo_loss_triton"),
-                   "logprobs": ("fastgrpo.kernels.logprobs", "token_logprobs_triton"),
-                   "fused_linear": ("fastgrpo.kernels.fused_linear", "fused_linear_grpo_loss_triton")}
+_TRITON_MODULES = {"loss": ("fastgrpo.kernels.triton.grpo_loss", "grpo_loss_triton"),
+                   "logprobs": ("fastgrpo.kernels.triton.logprobs", "token_logprobs_triton")}
 
 
 def _triton_importable(what: str) -> bool:
@@ -154,7 +151,7 @@ def grpo_loss(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Ten
 
         out = grpo_loss_reference(logits, targets, advantages, return_entropy=return_entropy, **kw)
     elif impl == "torch":
-        from fastgrpo.kernels.torch_loss import grpo_loss_torch
+        from fastgrpo.kernels.cpu_stream import grpo_loss_torch
 
         out = grpo_loss_torch(logits, targets, advantages, inplace_backward=inplace_backward,
                               return_entropy=return_entropy, **kw)
@@ -179,7 +176,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
         logp, ent = token_logprobs_reference(logits, targets, temperature, return_entropy)
     elif impl == "torch":
-        from fastgrpo.kernels.torch_loss import token_logprobs_torch
+        from fastgrpo.kernels.cpu_stream import token_logprobs_torch
 
         logp, ent = token_logprobs_torch(logits, targets, temperature, return_entropy)
     else:
@@ -205,8 +202,10 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                          f"weight), got {tuple(weight.shape) if isinstance(weight, torch.Tensor) else weight!r}")
     if weight.device != hidden.device:
         raise ValueError(f"weight: is on {weight.device} but hidden is on {hidden.device}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
-        raise ValueError(f"bias: expected None or a tensor [V={weight.shape[0]}]")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
+        raise ValueError(f"bias: expected None or a tensor [V={weight.shape[0]}] of dtype {hidden.dtype} on "
+                         f"{hidden.device}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected None or a positive int (tokens per chunk), got {chunk_size!r}")
     n = hidden.shape[0]
@@ -225,71 +224,23 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         out = grpo_loss_reference(logits, targets, advantages, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
                                   weights=weights, cu_seqlens=cu, config=config, num_items=num_items,
                                   return_entropy=return_entropy)
-    elif impl == "torch":
-        from fastgrpo.kernels.torch_fused_linear import fused_linear_grpo_loss_torch
-
-        out = fused_linear_grpo_loss_torch(hidden, weight, targets, advantages, **kw)
     else:
-        out = _triton_backend("fused_linear")(hidden, weight, targets, advantages, **kw)
+        from fastgrpo.kernels.fused_linear import fused_linear_loss
+
+        if impl == "triton":
+            _triton_backend("logprobs")  # the per-chunk kernels must import: a clear error if not
+        out = fused_linear_loss(hidden, weight, targets, advantages, backend=impl, **kw)
     _check_output_finite(out.logp, out.entropy, "hidden@weight.T")
     return out
 
 
-@dataclass(frozen=True)
-class TrlLossSpec:
-    """How to reproduce one TRL GRPOTrainer micro-batch loss: grpo_loss(..., config=config,
-    num_items=num_items) * loss_scale equals TRL's `_compute_loss` on the same tokens."""
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """Module facade: holds the LossConfig and chunking, forwards to `fused_linear_grpo_loss`."""
 
-    config: LossConfig  # the loss contract's settings for this TRL loss_type
-    num_items: Optional[float]  # token-mean denominator (TRL dapo's normalizer), else None
-    loss_scale: float  # multiply our loss by it: 1/gradient_accumulation_steps where TRL divides
+    def __init__(self, config: Optional[LossConfig] = None, chunk_size: Optional[int] = None, impl: str = "auto"):
+        super().__init__()
+        self.config, self.chunk_size, self.impl = config or LossConfig(), chunk_size, impl
 
-
-_TRL_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-            "dapo": "token-mean"}
-
-
-def trl_loss_config(loss_type: str = "dapo", *, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
-                    delta: Optional[float] = None, beta: float = 0.0, use_bias_correction_kl: bool = True,
-                    importance_sampling_level: str = "token", temperature: float = 1.0,
-                    max_completion_length: Optional[int] = None, entropy_coef: float = 0.0,
-                    num_items_in_batch=None, num_processes: int = 1, gradient_accumulation_steps: int = 1,
-                    steps_per_generation: Optional[int] = None, training: bool = True) -> TrlLossSpec:
-    """Map TRL 1.16 GRPOConfig arguments (and the per-step `num_items_in_batch`) to our contract.
-
-    Follows GRPOTrainer._compute_loss: ε_low = epsilon, ε_high = epsilon_high or epsilon; k3 KL;
-    grpo → seq-mean-token-mean, bnpo → token-mean, dr_grpo → Σ/(B·max_completion_length),
-    dapo → Σ/(num_items_in_batch / num_processes · GA / steps_per_generation). TRL divides grpo,
-    bnpo and dr_grpo by the accumulation steps in training: that is `loss_scale`. The vLLM
-    importance-sampling ratio maps to `weights`. TRL's entropy bonus is a plain masked token mean
-    whatever the loss type, which our contract reproduces only for bnpo: other types raise.
-    """
-    if loss_type not in _TRL_AGG:
-        raise ValueError(f"loss_type={loss_type!r}: expected one of {tuple(_TRL_AGG)} (TRL loss types with the "
-                         "clipped-ratio objective)")
-    if entropy_coef != 0.0 and loss_type != "bnpo":
-        raise ValueError(f"entropy_coef={entropy_coef}: TRL adds its entropy bonus as a masked token mean, which "
-                         f"loss_type={loss_type!r} aggregates differently; only 'bnpo' matches exactly")
-    for name, v in (("num_processes", num_processes), ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    ga = gradient_accumulation_steps if training else 1
-    spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
-    num_items = None
-    scale = 1.0 / ga
-    if loss_type == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError("num_items_in_batch: required for loss_type='dapo' (TRL's global completion-token count)")
-        num_items = max(float(num_items_in_batch), 1.0) / num_processes
-        if training:
-            num_items = num_items * gradient_accumulation_steps / spg
-        scale = 1.0
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("max_completion_length: required for loss_type='dr_grpo' (its L_max)")
-    config = LossConfig(temperature=temperature, eps_low=epsilon,
-                        eps_high=epsilon if epsilon_high is None else epsilon_high, delta=delta, beta=beta,
-                        kl="k3", kl_ratio_correction=bool(use_bias_correction_kl and beta != 0.0),
-                        entropy_coef=entropy_coef, ratio_level=importance_sampling_level,
-                        loss_agg=_TRL_AGG[loss_type],
-                        max_len=max_completion_length if loss_type == "dr_grpo" else None)
-    return TrlLossSpec(config=config, num_items=num_items, loss_scale=scale)
+    def forward(self, hidden, weight, targets, advantages, bias=None, **kw) -> LossOutput:
+        return fused_linear_grpo_loss(hidden, weight, targets, advantages, bias=bias, config=self.config,
+                                      chunk_size=self.chunk_size, impl=self.impl, **kw)

@@ -15,12 +15,12 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from . import checkpoint as ckpt
-from .builders import build_model, build_rollout_engine, build_task
-from .config import TrainConfig, dump_config
-from .distributed import launcher_env
-from .evaluation import evaluate
-from .metrics import make_plots, read_metrics, set_nvtx
+from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.trainer.build import build_model, build_rollout_engine, build_task
+from fastgrpo.config import TrainConfig, dump_config
+from fastgrpo.trainer.backend import launcher_env
+from fastgrpo.trainer.evaluation import evaluate
+from fastgrpo.trainer.metrics import make_plots, read_metrics, set_nvtx
 
 Log = Callable[[str], None]
 
@@ -42,7 +42,7 @@ def _prepare(cfg: TrainConfig):
 
 
 def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
-    from .sft import run_sft
+    from fastgrpo.trainer.sft import run_sft
 
     sft_dir = os.path.join(cfg.logging.out_dir, "sft", "model")
     if cfg.checkpoint.resume != "none" and os.path.exists(os.path.join(sft_dir, "config.json")):
@@ -67,13 +67,13 @@ def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
 
 def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     """SFT (cfg.sft_first) → eval → GRPO for cfg.steps → eval; returns a summary dict."""
-    from .trainer import Trainer
+    from fastgrpo.trainer.grpo import Trainer
 
     t_start = time.perf_counter()
     _prepare(cfg)
     out = cfg.logging.out_dir
     dump_config(cfg, os.path.join(out, "config.yaml"))
-    from .trainer import seed_everything
+    from fastgrpo.trainer.grpo import seed_everything
 
     seed_everything(cfg.seed)
     model, tok = build_model(cfg.model)
@@ -141,7 +141,7 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     """`fastgrpo sft`: the cold start alone; the model lands in <out_dir>/sft/model."""
     _prepare(cfg)
-    from .trainer import seed_everything
+    from fastgrpo.trainer.grpo import seed_everything
 
     seed_everything(cfg.seed)
     model, tok = build_model(cfg.model)
@@ -172,8 +172,8 @@ def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     """`fastgrpo bench`: cfg.steps GRPO steps after the SFT cold start (when cfg.sft_first, so
     that rewards vary and the update phase runs), without eval or checkpoints; prints the median
     seconds per phase and tokens/s (the first step is warm-up and is left out)."""
-    from .sft import run_sft
-    from .trainer import Trainer, seed_everything
+    from fastgrpo.trainer.sft import run_sft
+    from fastgrpo.trainer.grpo import Trainer, seed_everything
 
     _prepare(cfg)
     cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.resume = 0, False, "none"

@@ -15,7 +15,10 @@ The O(N) objective (`objective.py`) couples tokens only through per-sequence ter
   sweep makes logp / entropy per chunk and a second sweep recomputes each chunk's logits for the
   gradient: 4 matmuls (the price of never holding N×V).
 Per chunk the kernels are the Triton ones (`logprobs.py`, `grpo_loss.py`) on CUDA or under
-TRITON_INTERPRET, or the torch streaming twins of `torch_loss.py` on CPU (`impl="torch"`).
+TRITON_INTERPRET, or the torch streaming twins of `cpu_stream.py` on CPU (`impl="torch"`): one
+algorithm for both, the kernels per chunk are the backend. (This is the only fused-linear
+algorithm: the gradient-in-forward scheme needs 3 matmuls where recomputing the chunk in the
+backward needs 4, and sequence-level ratios take the two-sweep branch below.)
 A single kernel that fuses the matmul tile with the loss (Apple's Cut Cross-Entropy) is not
 done: the chunk logits still make one round trip through memory.
 """
@@ -29,16 +32,16 @@ import torch
 
 from fastgrpo import env
 
-from .common import LossConfig, LossOutput, check_cu_seqlens, check_token_vector
-from .objective import ObjectiveInputs, objective_coefficients, objective_metrics, prepare_objective
-from . import torch_loss
+from fastgrpo.kernels.contract import LossConfig, LossOutput
+from fastgrpo.kernels.objective import ObjectiveInputs, objective_coefficients, objective_metrics, prepare_objective
+from fastgrpo.kernels import cpu_stream
 
 # Chunk logits budget: 1 GiB on a GPU (a 4k×152k bf16 chunk is 1.2 GB; large chunks keep the
 # three GEMMs efficient and limit the read-modify-write passes over the fp32 dW accumulator,
 # 2.5 GB for 152k×4096), 32 MiB on CPU where the streaming torch path tiles again anyway.
 _CHUNK_BYTES_CUDA = 1 << 30
 _CHUNK_BYTES_CPU = 1 << 25
-FUSED_IMPLS = ("auto", "triton", "torch")
+FUSED_BACKENDS = ("triton", "torch")
 
 
 def default_chunk_size(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -49,23 +52,23 @@ def default_chunk_size(n: int, v: int, dtype: torch.dtype, device: torch.device)
 
 
 def _triton_fwd(logits, targets, temperature, need_ent):
-    from .logprobs import token_logprobs_fwd
+    from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 
     return token_logprobs_fwd(logits, targets, temperature, need_ent)
 
 
 def _triton_bwd(logits, targets, lse, g, h, ent, temperature):
-    from .grpo_loss import grpo_loss_bwd
+    from fastgrpo.kernels.triton.grpo_loss import grpo_loss_bwd
 
     return grpo_loss_bwd(logits, targets, lse, g, h, ent, temperature, out=logits)
 
 
 def _torch_fwd(logits, targets, temperature, need_ent):
-    return torch_loss.logprob_stats(logits, targets, temperature, need_ent)
+    return cpu_stream.logprob_stats(logits, targets, temperature, need_ent)
 
 
 def _torch_bwd(logits, targets, lse, g, h, ent, temperature):
-    return torch_loss.logits_grad(logits, targets, lse, g, h, ent, temperature, out=logits)
+    return cpu_stream.logits_grad(logits, targets, lse, g, h, ent, temperature, out=logits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,66 +196,26 @@ class FusedLinearGRPOFunction(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None, None, None
 
 
-def _check_inputs(hidden, weight, bias, targets, chunk_size, impl):
-    for name, x, nd in (("hidden", hidden, 2), ("weight", weight, 2)):
-        if not isinstance(x, torch.Tensor) or x.dim() != nd or not x.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating torch.Tensor of shape "
-                             f"{'[N, H]' if name == 'hidden' else '[V, H]'}, got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
-    n, hdim = hidden.shape
-    v = weight.shape[0]
-    if weight.shape[1] != hdim:
-        raise ValueError(f"weight: expected shape [V, {hdim}] (the lm_head, hidden size H={hdim}), "
-                         f"got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight: expected dtype {hidden.dtype} on {hidden.device} like hidden, "
-                         f"got {weight.dtype} on {weight.device}")
-    if n > 0 and v == 0:
-        raise ValueError("weight: vocabulary dimension V is 0")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (v,)
-                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
-        raise ValueError(f"bias: expected None or a [{v}] tensor of dtype {hidden.dtype} on {hidden.device}")
-    if not isinstance(targets, torch.Tensor) or targets.dim() != 1 or targets.shape[0] != n:
-        raise ValueError(f"targets: expected an integer tensor of shape [{n}] (one per hidden row)")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets: expected an integer dtype (int64 or int32), got {targets.dtype}")
-    if n > 0 and (int(targets.min()) < 0 or int(targets.max()) >= v):
-        raise ValueError(f"targets: values must lie in [0, V={v})")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected None or a positive int (tokens per chunk), got {chunk_size!r}")
-    if impl not in FUSED_IMPLS:
-        raise ValueError(f"impl: expected one of {FUSED_IMPLS}, got {impl!r}")
-
-
-def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           advantages: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-                           chunk_size: Optional[int] = None, mask=None, old_logp=None, ref_logp=None,
-                           weights=None, cu_seqlens=None, config: Optional[LossConfig] = None,
-                           num_items=None, return_entropy: bool = False, impl: str = "auto") -> LossOutput:
-    """GRPO loss of `logits = hidden @ weight.T (+ bias)` without materialising the logits.
-
-    Same keywords and `LossOutput` as `fastgrpo.loss.grpo_loss`; `loss` is differentiable w.r.t.
-    hidden, weight and bias. `chunk_size`: tokens per chunk (default: chunk logits ≈ 1 GiB on a
-    GPU, 32 MiB on CPU). `impl`: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
-    CPU streaming path per chunk), "auto" (Triton for CUDA tensors, torch otherwise).
-    """
+def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, *,
+                      backend: str, bias: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None, mask=None,
+                      old_logp=None, ref_logp=None, weights=None, cu_seqlens=None,
+                      config: Optional[LossConfig] = None, num_items=None,
+                      return_entropy: bool = False) -> LossOutput:
+    """GRPO loss of `logits = hidden @ weight.T (+ bias)` without materialising the logits, on
+    checked inputs (`fastgrpo.loss.fused_linear_grpo_loss` is the validating facade; `cu_seqlens`
+    arrives checked). `backend`: "triton" (per-chunk Triton kernels: CUDA, or TRITON_INTERPRET=1)
+    or "torch" (the CPU streaming statistics of cpu_stream.py per chunk). `loss` is
+    differentiable w.r.t. hidden, weight and bias; `chunk_size`: tokens per chunk (default:
+    chunk logits ≈ 1 GiB on a GPU, 32 MiB on CPU)."""
     config = config or LossConfig()
-    _check_inputs(hidden, weight, bias, targets, chunk_size, impl)
-    if not isinstance(config, LossConfig):
-        raise ValueError(f"config: expected a LossConfig, got {type(config).__name__}")
-    n = hidden.shape[0]
-    dev = hidden.device
-    for name, x in (("advantages", advantages), ("mask", mask), ("old_logp", old_logp),
-                    ("ref_logp", ref_logp), ("weights", weights)):
-        check_token_vector(x, name, n, dev, allow_bool=(name == "mask"))
-    if advantages is None:
-        raise ValueError(f"advantages: expected a float tensor [{n}], got None")
-    backend = impl if impl != "auto" else ("triton" if hidden.is_cuda else "torch")
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {FUSED_BACKENDS}")
     if backend == "triton" and not (hidden.is_cuda or env.triton_interpret()):
         raise ValueError("impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); use 'torch' or 'auto'")
-    cu = check_cu_seqlens(cu_seqlens, n)
+    n = hidden.shape[0]
+    dev = hidden.device
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    inp = prepare_objective(n, dev, cdt, advantages, mask, old_logp, ref_logp, weights, cu, config, num_items)
+    inp = prepare_objective(n, dev, cdt, advantages, mask, old_logp, ref_logp, weights, cu_seqlens, config, num_items)
     chunk = chunk_size or default_chunk_size(n, weight.shape[0], hidden.dtype, dev)
     side = {}
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
@@ -264,20 +227,3 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         side.update(logp=logp, entropy=ent, metrics=objective_metrics(ratio, kl, ent, inp, config))
     ent = side["entropy"] if (return_entropy or config.entropy_coef != 0.0) else None
     return LossOutput(loss=loss, logp=side["logp"], entropy=ent, metrics=side["metrics"])
-
-
-class FusedLinearGRPOLoss(torch.nn.Module):
-    """Module facade: holds the LossConfig and chunking, forwards to `fused_linear_grpo_loss`."""
-
-    def __init__(self, config: Optional[LossConfig] = None, chunk_size: Optional[int] = None, impl: str = "auto"):
-        super().__init__()
-        self.config, self.chunk_size, self.impl = config or LossConfig(), chunk_size, impl
-
-    def forward(self, hidden, weight, targets, advantages, bias=None, **kw) -> LossOutput:
-        return fused_linear_grpo_loss(hidden, weight, targets, advantages, bias=bias, config=self.config,
-                                      chunk_size=self.chunk_size, impl=self.impl, **kw)
-
-
-def fused_linear_grpo_loss_triton(hidden, weight, targets, advantages, **kw) -> LossOutput:
-    """The `impl="triton"` backend of `fastgrpo.loss.fused_linear_grpo_loss` (same keywords)."""
-    return fused_linear_grpo_loss(hidden, weight, targets, advantages, impl="triton", **kw)

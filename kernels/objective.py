@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .common import LossConfig, aggregation_weights, positive_or_one, seq_ids_from_cu
+from fastgrpo.kernels.contract import LossConfig, aggregation_weights, positive_or_one, seq_ids_from_cu
 
 
 @dataclass

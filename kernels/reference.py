@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .common import (
+from fastgrpo.kernels.contract import (
     LossConfig,
     LossOutput,
     aggregation_weights,

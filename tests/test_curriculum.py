@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from fastgrpo.curriculum import Curriculum, dynamic_sampling, filter_best_of_n, filter_by_pass_rate
+from fastgrpo.curriculum import Curriculum, dynamic_sampling, filter_best_of_n, filter_by_pass_rate, informative
 
 
 def test_offline_filters():
@@ -45,23 +45,43 @@ def test_sampling_weights_favour_hard_prompts():
 
 
 def test_dynamic_sampling_refills_and_is_bounded():
-    class G:
-        def __init__(self, rewards):
-            self.rewards = rewards
+    stream = iter([[1, 1], [0, 1], [0, 0], [1, 0], [0.5, 0.5], [1, 0]] + [[1, 1]] * 100)
+    calls = []
 
-    stream = iter([G([1, 1]), G([0, 1]), G([0, 0]), G([1, 0]), G([0.5, 0.5]), G([1, 0])] + [G([1, 1])] * 100)
+    def generate(k):  # a round: k groups' rewards
+        calls.append(k)
+        return [next(stream) for _ in range(k)]
+
+    kept_of = lambda r: sum(informative(g) for g in r)  # noqa: E731
+    res = dynamic_sampling(generate, 3, kept_of=kept_of)
+    kept = [g for r in res.rounds for g in r if informative(g)]
+    # the last round asks for what is missing; an oversized round is the caller's to trim
+    assert kept == [[0, 1], [1, 0], [1, 0]]
+    assert res.full and res.kept == 3 and res.seen == 6 and calls == [3, 2, 1]
+    assert res.metrics()["curriculum/dynamic_drop_frac"] == 0.5
+    bounded = dynamic_sampling(lambda k: [[1, 1]] * k, 4, kept_of=kept_of, max_tries=3)
+    assert not bounded.full and bounded.tries == 3 and bounded.kept == 0
+    assert bounded.metrics()["curriculum/dynamic_drop_frac"] == 1.0
+
+
+def test_dynamic_sampling_agrees_across_ranks():
+    """`agree` (a sum over ranks) decides how many rounds run: here a peer rank kept 2 groups per
+    round, so one local informative group per round fills 6 after two rounds on every rank."""
     calls = []
 
     def generate(k):
         calls.append(k)
-        return [next(stream) for _ in range(k)]
+        return [[0, 1]]
 
-    res = dynamic_sampling(generate, 3)
-    assert [g.rewards for g in res.groups] == [[0, 1], [1, 0], [1, 0]]
-    assert res.full and res.dropped == 3 and calls == [3, 2, 1]
-    bounded = dynamic_sampling(lambda k: [G([1, 1])] * k, 4, max_tries=3)
-    assert not bounded.full and bounded.tries == 3 and bounded.groups == []
-    assert bounded.metrics()["curriculum/dynamic_drop_frac"] == 1.0
+    res = dynamic_sampling(generate, 6, kept_of=len, agree=lambda n: 3 * n)
+    assert res.tries == 2 and res.full and calls == [6, 3] and res.kept == 6
+    with pytest.raises(ValueError, match="max_tries"):
+        dynamic_sampling(generate, 2, kept_of=len, max_tries=0)
+
+
+def test_informative_ignores_unverifiable():
+    assert informative([0, 1]) and not informative([1, 1]) and not informative([None, 1])
+    assert informative([None, 0.0, 1.0]) and not informative([0.5, 0.5 + 1e-12])
 
 
 def test_histogram_and_checkpoint_roundtrip():

@@ -21,7 +21,7 @@ def test_unknown_name_raises_attribute_error():
 
 
 def test_extension_is_built_and_loaded():
-    from fastgrpo import _cext
+    from fastgrpo.native import ext as _cext
 
     assert _cext.available(), "fastgrpo._C was not built: check the pybind11 build in setup.py"
     for name in ("pack_ffd", "balance_kk", "cu_seqlens", "position_ids"):
@@ -29,7 +29,7 @@ def test_extension_is_built_and_loaded():
 
 
 def test_disable_ext_knob_falls_back_to_python():
-    code = "import fastgrpo._cext as c; print(c.available())"
+    code = "import fastgrpo.native.ext as c; print(c.available())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"FASTGRPO_DISABLE_EXT": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr

@@ -1,7 +1,8 @@
-"""fastgrpo.demo: the embedded default run (`run_default`), its arithmetic task and tiny models."""
+"""fastgrpo.demo: the embedded default run (`run_default`, its config in default.py). Its task is
+fastgrpo.tasks.arithmetic and its model fastgrpo.models.tiny."""
 
 
 def run_default(out_dir=None, overrides=()):
-    from .default import run_default as _run
+    from fastgrpo.demo.default import run_default as _run
 
     return _run(out_dir, overrides)

@@ -1,7 +1,7 @@
 """The embedded default run: `fastgrpo train` with no arguments.
 
 A character-level tokenizer and a tiny Qwen2-style model (hidden 64, 2 layers, ~80k parameters)
-learn the built-in addition task (fastgrpo/demo/arithmetic.py) on a 2-core CPU. The SFT cold
+learn the built-in addition task (fastgrpo/tasks/arithmetic.py) on a 2-core CPU. The SFT cold
 start uses noisy traces — 60% of the sums with a carry have the carry dropped, the slip of a
 weak teacher — so the model learns the format and the sums without a carry, but its most likely
 answer to a carry is the slip (≈ half of the held-out sums right: 0.455–0.525 over seeds 0–4).
@@ -25,7 +25,7 @@ from typing import Dict, Optional, Sequence
 
 import yaml
 
-from ..config import TrainConfig, load_config
+from fastgrpo.config import TrainConfig, load_config
 
 # Every value here was chosen by measuring the demo on 2 CPU cores (see benchmarks/bench_demo.py).
 DEFAULT_YAML = """
@@ -53,6 +53,6 @@ def default_config(overrides: Sequence[str] = (), out_dir: Optional[str] = None)
 
 def run_default(out_dir: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, float]:
     """Build, SFT, eval, GRPO, eval; prints held-out accuracy before and after RL."""
-    from ..pipeline import run_train
+    from fastgrpo.pipeline import run_train
 
     return run_train(default_config(overrides, out_dir))

@@ -165,10 +165,20 @@ def _log_metrics(trainer, inputs, out, on, mask, old_logp):
     trainer._metrics[mode]["clip_ratio/high_max"].append(nanmax(acc.gather(masked_seq_mean(high))).item())
 
 
+def _accumulation_steps(trainer, training: bool) -> int:
+    """The accumulation steps TRL's `_compute_loss` divides by: transformers sets
+    `current_gradient_accumulation_steps` only inside its training loop, so `evaluate()` before
+    training (or `eval_on_start=True`) has none; TRL uses 1 in eval, and so do we."""
+    if not training:
+        return 1
+    steps = getattr(trainer, "current_gradient_accumulation_steps", None)
+    return int(steps if steps is not None else trainer.args.gradient_accumulation_steps)
+
+
 def fastgrpo_compute_loss(trainer, model, inputs):
     """Drop-in for `GRPOTrainer._compute_loss(model, inputs)` (see the module docstring)."""
     from fastgrpo.advantages import broadcast_to_tokens
-    from fastgrpo.loss import trl_loss_config
+    from fastgrpo.integrations.trl_config import trl_loss_config
 
     reason = _fallback_reason(trainer, inputs)
     if reason is not None:
@@ -194,7 +204,7 @@ def fastgrpo_compute_loss(trainer, model, inputs):
         max_completion_length=trainer.max_completion_length,
         num_items_in_batch=None if num_items is None else float(num_items),
         num_processes=trainer.accelerator.num_processes,
-        gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
+        gradient_accumulation_steps=_accumulation_steps(trainer, training),
         steps_per_generation=trainer.args.steps_per_generation, training=training)
     adv = inputs["advantages"]
     adv_tok = broadcast_to_tokens(adv, cu.to(adv.device)) if adv.dim() == 1 else adv[on]

@@ -21,8 +21,8 @@ from fastgrpo.rewards.format import format_reward
 from fastgrpo.rewards.language import language_reward
 from fastgrpo.rewards.length import KimiLengthGate, kimi_length_reward, overlong_penalty
 from fastgrpo.rewards.math import extract_answer, math_reward
-from fastgrpo.rewards.pool import RewardPool, TaskResult, default_pool
-from fastgrpo.rewards.sandbox import SandboxLimits, isolation_level
+from fastgrpo.rewards.sandbox.pool import RewardPool, TaskResult, default_pool
+from fastgrpo.rewards.sandbox.runner import SandboxLimits, isolation_level
 
 __all__ = [
     "math_reward", "code_reward", "format_reward", "kimi_length_reward", "language_reward", "combine_rewards",

@@ -4,6 +4,6 @@ parse in a cold process costs ~0.3 s; a forked one inherits the loaded parser fo
 from math_verify import parse, verify
 
 import fastgrpo.rewards.math  # noqa: F401  (worker task functions)
-import fastgrpo.rewards.sandbox  # noqa: F401
+import fastgrpo.rewards.sandbox.runner  # noqa: F401
 
 verify(parse("$\\frac{1}{2}$"), parse("$0.5$"))

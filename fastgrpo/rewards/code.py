@@ -15,8 +15,8 @@ import weakref
 from typing import List, Optional, Sequence
 
 from fastgrpo.rewards import reasons as R
-from fastgrpo.rewards.pool import RewardPool, default_pool
-from fastgrpo.rewards.sandbox import SandboxLimits, run_python
+from fastgrpo.rewards.sandbox.pool import RewardPool, default_pool
+from fastgrpo.rewards.sandbox.runner import SandboxLimits, run_python
 
 logger = logging.getLogger("fastgrpo.rewards")
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)

@@ -2,20 +2,24 @@
 `RewardManager` a trainer holds for the whole run (one persistent pool, closed at the end).
 
 As in TRL's GRPOTrainer (`reward_funcs` + `reward_weights`, per-function metrics) with two
-departures: a None (data error) in any component makes the total None, so the trainer skips the
-sample instead of training on a silent 0; and each component's reason codes become metrics.
+departures: a None (unverifiable: a data error, a parse failure) in any component is never a
+silent 0 — it makes the total None (the default: the caller skips the sample) or, with
+`none_score`, scores that number (the trainer's `rewards.error_score`); and each component's
+reason codes become metrics. `score_groups` is the trainer's scoring path over a rollout batch
+and mixes through `combine_rewards`, so both follow the one rule.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fastgrpo.rewards.code import code_reward
 from fastgrpo.rewards.format import format_reward
 from fastgrpo.rewards.language import language_reward
 from fastgrpo.rewards.length import KimiLengthGate, kimi_length_reward, overlong_penalty
 from fastgrpo.rewards.math import math_reward
-from fastgrpo.rewards.pool import RewardPool
+from fastgrpo.rewards.sandbox.pool import RewardPool
 from fastgrpo.rewards.reasons import reason_counts
 
 
@@ -27,8 +31,11 @@ class CombinedReward:
 
 
 def combine_rewards(components: Mapping[str, Sequence[Optional[float]]], weights: Optional[Mapping[str, float]] = None,
-                    reasons: Optional[Mapping[str, Sequence[Optional[str]]]] = None) -> CombinedReward:
-    """Weighted sum of named per-sample rewards (weight 1.0 for names missing from `weights`)."""
+                    reasons: Optional[Mapping[str, Sequence[Optional[str]]]] = None,
+                    none_score: Optional[float] = None) -> CombinedReward:
+    """Weighted sum of named per-sample rewards (weight 1.0 for names missing from `weights`).
+    A None component makes that sample's total None, or counts as `none_score` when one is given
+    (the component lists keep their None; `reward/<name>/none_frac` counts them either way)."""
     if not components:
         raise ValueError("components: expected at least one named reward list")
     weights = dict(weights or {})
@@ -48,6 +55,8 @@ def combine_rewards(components: Mapping[str, Sequence[Optional[float]]], weights
             metrics[f"reward/{name}/mean"] = sum(ok) / len(ok)
         metrics[f"reward/{name}/none_frac"] = (size - len(ok)) / size if size else 0.0
         for i, v in enumerate(vals):
+            if v is None and none_score is not None:
+                v = none_score
             if v is None or total[i] is None:
                 total[i] = None
             else:
@@ -58,6 +67,63 @@ def combine_rewards(components: Mapping[str, Sequence[Optional[float]]], weights
     if ok:
         metrics["reward/total/mean"] = sum(ok) / len(ok)
     return CombinedReward(total, {k: list(v) for k, v in components.items()}, metrics)
+
+
+def _as_scores(vals, n: int, name: str) -> List[Optional[float]]:
+    vals = list(vals)
+    if len(vals) != n:
+        raise ValueError(f"reward {name!r} returned {len(vals)} scores for {n} completions")
+    out = [None if v is None else float(v) for v in vals]
+    if not all(v is None or math.isfinite(v) for v in out):
+        raise ValueError(f"reward {name!r} returned a non-finite score")
+    return out
+
+
+def score_groups(problems: Sequence, groups: Sequence, fns: Mapping[str, Callable], names: Sequence[str],
+                 weights: Sequence[float], error_score: float = 0.0, on_error: str = "zero"
+                 ) -> Tuple[Dict[str, "np.ndarray"], "np.ndarray", set, List[str]]:
+    """A rollout batch's rewards: (per reward [B, G] unweighted, the weighted total [B, G],
+    indices of groups to drop, error messages).
+
+    `problems[i]` has `.id` and `.answer`; `groups[i]` holds G completions with `.text`. Each
+    reward function `fns[name](texts, answers)` is called once on the whole batch (verifiers
+    amortise their start-up); only when that call raises is it re-run prompt by prompt, so that
+    the failing prompt's id is reported and only that group is scored `error_score`
+    (on_error="zero") or dropped (on_error="drop"). A None score (unverifiable) counts as
+    `error_score` (`combine_rewards(..., none_score=error_score)`).
+    """
+    import numpy as np  # here, not at import: the sandbox imports fastgrpo.rewards in a bare interpreter
+
+    B = len(problems)
+    G = len(groups[0]) if B else 0
+    texts = [c.text for g in groups for c in g]
+    answers = [p.answer for p in problems for _ in range(G)]
+    raw: Dict[str, List[Optional[float]]] = {}
+    dropped: set = set()
+    errors: List[str] = []
+    for name in names:
+        fn = fns[name]
+        try:
+            raw[name] = _as_scores(fn(texts, answers), B * G, name)
+            continue
+        except Exception:  # noqa: BLE001 — retried prompt by prompt below, which reports it
+            pass
+        scores: List[Optional[float]] = [error_score] * (B * G)
+        for i, p in enumerate(problems):
+            try:
+                scores[i * G:(i + 1) * G] = _as_scores(fn(texts[i * G:(i + 1) * G], answers[i * G:(i + 1) * G]), G,
+                                                       name)
+            except Exception as e:  # noqa: BLE001 — reported, never fatal: one bad verifier call must not kill a run
+                errors.append(f"reward {name!r} raised on prompt id {p.id}: {type(e).__name__}: {e}")
+                if on_error == "drop":
+                    dropped.add(i)
+        raw[name] = scores
+    mixed = combine_rewards(raw, dict(zip(names, weights)), none_score=error_score) if names else None
+    per_fn = {k: np.array([error_score if v is None else v for v in vals], dtype=np.float64).reshape(B, G)
+              for k, vals in raw.items()}
+    total = (np.array(mixed.total, dtype=np.float64).reshape(B, G) if mixed is not None
+             else np.zeros((B, G), dtype=np.float64))
+    return per_fn, total, dropped, errors
 
 
 _BUILTIN = ("math", "code", "format", "kimi_length", "overlong", "language")

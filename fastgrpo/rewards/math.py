@@ -18,7 +18,7 @@ import re
 from typing import List, Optional, Sequence, Tuple
 
 from fastgrpo.rewards import reasons as R
-from fastgrpo.rewards.pool import RewardPool, default_pool
+from fastgrpo.rewards.sandbox.pool import RewardPool, default_pool
 
 _TAIL = 4096  # "Answer:" lines and the last number are looked for in the last 4 KiB only
 _BOX = ("\\boxed{", "\\fbox{", "\\boxed {")

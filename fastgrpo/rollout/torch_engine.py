@@ -6,7 +6,7 @@ position ids (so padding does not shift positions) and the HF cache. Sampling fo
 order — logits in float32 → / temperature → top-k → top-p → sample — and reports the log-prob of
 the sampled token under that processed distribution (see base.py for what top-k / top-p do to
 it). Each completion with a seed gets its own `torch.Generator`, so a completion does not depend
-on the rest of the batch (_decode.py: per-row uniforms for inverse-CDF draws, one call per row).
+on the rest of the batch (decoders.py: per-row uniforms for inverse-CDF draws, one call per row).
 
 Tuned for tiny models on CPU, where framework overhead, not FLOPs, sets the pace (see
 benchmarks/bench_rollout.py): the prefill runs once per distinct prompt and its cache is expanded
@@ -14,7 +14,7 @@ to the G completions of the group (vLLM's prefix cache does the same job); finis
 batch at once (compaction, like a continuous-batching scheduler that admits nothing new); the
 bookkeeping is one vectorised op per step instead of a Python loop over rows; tiny decode steps
 run on one intra-op thread (see `_threads`). With decoder="auto" on CPU float32 the native module
-(lean_step.cpp) also prefills Qwen2 / Qwen3 / Llama prompts (`LeanStepper.native_prefill`) and
+(csrc/jit/decode_step.cpp) also prefills Qwen2 / Qwen3 / Llama prompts (`LeanStepper.native_prefill`) and
 runs each step's sampling, log-prob, stop check and bookkeeping writes in one call (`sample_step`); at 8
 prompts × 8 samples × 32 tokens on the demo model that took a trainer rollout from ~11.6 to
 ~7 ms on one thread (the rest is the decode steps' GEMMs).
@@ -34,7 +34,7 @@ from typing import List, Optional
 
 import torch
 
-from fastgrpo.rollout._decode import HFStepper, LeanStepper, pick, uniforms
+from fastgrpo.rollout.decoders import HFStepper, LeanStepper, pick, uniforms
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 # Decode steps below this many FLOPs (2 · parameters · batch) run on one thread (see _threads).
@@ -79,7 +79,7 @@ class TorchEngine(RolloutEngine):
     max_batch_size: completions decoded together; num_threads: intra-op threads while decoding
     (None: 1 for small steps, see `_threads`; the process's setting is restored afterwards);
     decoder: "auto" runs Qwen2 / Qwen3 / Llama decode steps (full attention; sliding-window layers
-    keep the HF module) through `LeanStepper` (_decode.py; its native step, lean_step.cpp, for
+    keep the HF module) through `LeanStepper` (decoders.py; its native step, csrc/jit/decode_step.cpp, for
     float32 on CPU where it builds) and any other model through its HF module; "lean" is
     LeanStepper's Python step only; "hf" always uses the HF module (the reference path).
     """
@@ -205,13 +205,13 @@ class TorchEngine(RolloutEngine):
         return stepper, logits, pos[:, -1] + 1
 
     def _native_sampler(self, device, logits: torch.Tensor):
-        """lean_step.cpp's `sample_step` for decoder="auto" on CPU float32 logits where it builds
+        """the native sampler (csrc/jit/sampler.cpp) for decoder="auto" on CPU float32 logits where it builds
         (FASTGRPO_NATIVE_DECODE=0 keeps `pick`); "lean" and "hf" keep `pick` (the reference)."""
         if self.decoder != "auto" or device.type != "cpu" or logits.dtype != torch.float32:
             return None
-        from ._native import lean_step_module
+        from fastgrpo.native.decode_step import decode_step_module
 
-        return lean_step_module()
+        return decode_step_module()
 
     def _loop(self, model, device, prompt_ids, sampling, max_new_tokens, seeds) -> List[Completion]:
         B = len(prompt_ids)

@@ -45,6 +45,19 @@ _TRANSPORTS = ("auto", "shm", "cuda_ipc", "reference")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py) serves only these head sizes.
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_unsupported_reason(model) -> Optional[str]:
+    """None when vLLM can serve `model` (an HF module) on this machine, else why not."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
+        return f"head_dim={head_dim}, and vLLM's CPU attention needs one of {VLLM_CPU_HEAD_DIMS}"
+    return None
+
+
 def vllm_available() -> bool:
     env.apply_vllm_defaults()
     try:

@@ -169,8 +169,9 @@ def sync_per_parameter(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtyp
         t = t.detach()
         t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         nbytes += t.numel() * t.element_size()
-        payload = (dtype_name(t.dtype), list(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                   ) if by_value else t
+        # bytes on the host: a CUDA (or any non-CPU) tensor is copied down first (.numpy() refuses it)
+        payload = (dtype_name(t.dtype), list(t.shape),
+                   t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()) if by_value else t
         rpc("fastgrpo_load_named", [(n, payload, load_group(n), sizes[load_group(n)])])
     left = rpc("fastgrpo_finish")
     if left:

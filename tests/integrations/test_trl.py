@@ -15,7 +15,7 @@ import torch
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from fastgrpo.demo.tiny import build_tiny_model  # noqa: E402
+from fastgrpo.models.tiny import build_tiny_model  # noqa: E402
 from fastgrpo.integrations.trl import FastGRPOTrainer, _install_forward, fastgrpo_compute_loss, patch_trl_loss  # noqa: E402
 
 from _trl_stand_in import GA, SPG, TAU, C, padded_batch  # noqa: E402
@@ -127,3 +127,24 @@ def test_fast_trainer_trains_two_steps(tmp_path):
     changed = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
     assert changed > 1e-4, "weights did not change"
     assert any("clip_ratio/low_mean" in h for h in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_eval_before_training_without_accumulation_attribute(setup, loss_type):
+    """`evaluate()` before training / `eval_on_start=True`: transformers has not set
+    `current_gradient_accumulation_steps` yet; TRL's loss divides by 1 in eval, and so does ours."""
+    model, inputs = setup
+    trl_t, ours_t = (_stand_in(model, loss_type, "token", 0.28, None, 0.04, True) for _ in range(2))
+    for t in (trl_t, ours_t):
+        del t.current_gradient_accumulation_steps
+        t.args.gradient_accumulation_steps = GA
+    model.eval()
+    try:
+        with torch.no_grad():
+            trl_loss = float(trl_t._trl_compute_loss(model, inputs))
+            loss = float(fastgrpo_compute_loss(ours_t, model, inputs))
+    finally:
+        model.train()
+    assert ours_t._fastgrpo_calls == 1 and not getattr(ours_t, "_fastgrpo_fallbacks", 0)
+    assert trl_loss != 0.0 and abs(loss - trl_loss) <= 1e-6, (loss, trl_loss)
+    assert set(ours_t._metrics["eval"]) == set(trl_t._metrics["eval"]) and not ours_t._metrics["train"]

@@ -1,11 +1,22 @@
-"""Shared oracle-test helpers for the Triton kernel tests (house style rule 3): float64 ground
-truth, the same-dtype torch reference, the kernel; the kernel's error may exceed the reference's
-by at most one per-dtype tolerance. On failure the worst indices and values are printed."""
+"""The one oracle harness for every loss backend (house style rule 3, after Apple's Cut
+Cross-Entropy): float64 ground truth, the same-dtype torch reference, the backend; the backend's
+error may exceed the reference's by at most one per-dtype tolerance. On failure the worst
+indices and values are printed. Not a test module: the kernel tests import it by basename, and
+tests/test_loss.py puts this folder on sys.path to take its input generator.
+
+The three runs see the same inputs, rounded once to the backend's dtype:
+- truth:     the float64 reference on those rounded inputs (so input rounding is no one's error);
+- reference: the reference at the backend's compute precision (float32 for bf16/fp16/fp32,
+             float64 for float64), its results stored in the dtypes the contract gives the
+             backend's (gradients in the input dtype, logp/entropy/loss in the compute dtype);
+- backend:   the function under test.
+"""
 from __future__ import annotations
 
 import torch
 
-from fastgrpo.kernels.common import LossConfig
+from fastgrpo.kernels.contract import LossConfig
+from fastgrpo.kernels.reference import grpo_loss_reference
 
 # Compiled kernels on a GPU machine, the interpreter on CPU (tests/conftest.py sets the flag).
 DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -19,16 +30,48 @@ TOL = {
     torch.bfloat16: (1e-3, 8e-3),
 }
 
+TRUTH, REFERENCE, BACKEND = "truth", "reference", "backend"
 
-def check_vs_truth(name: str, kernel: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, dtype) -> None:
-    """|kernel − truth| ≤ max|ref − truth| + atol + rtol·|truth| elementwise (a NaN fails)."""
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision every backend computes in (the loss contract): float64 stays, the rest is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+import json as _json  # CALIBRATION (temporary)
+import os as _os
+
+_RTOLS = [0.0, 1e-14, 1e-13, 1e-12, 1e-11, 1e-10, 1e-8, 1e-7, 5e-7, 1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 1e-4, 5e-4,
+          1e-3, 2e-3, 4e-3, 8e-3]
+
+
+def _log(name, dtype, k, r, t):
+    path = _os.environ.get("ORACLE_LOG")
+    if not path:
+        return
+    err = (k - t).abs()
+    ref_err = (r - t).abs()
+    ref_max = float(ref_err[torch.isfinite(ref_err)].max()) if bool(torch.isfinite(ref_err).any()) else 0.0
+    at = t.abs()
+    rec = dict(test=_os.environ.get("PYTEST_CURRENT_TEST", "?"), name=name, dtype=str(dtype), n=k.numel(),
+               err=float(err.max()), ref_max=ref_max, tmax=float(at.max()),
+               need={str(rt): float((err - ref_max - rt * at).max()) for rt in _RTOLS},
+               need0={str(rt): float((err - rt * at).max()) for rt in _RTOLS})
+    with open(path, "a") as f:
+        f.write(_json.dumps(rec) + "\n")
+
+
+def check_vs_truth(name: str, kernel: torch.Tensor, ref, truth: torch.Tensor, dtype) -> None:
+    """|kernel − truth| ≤ max|ref − truth| + atol + rtol·|truth| elementwise (a NaN fails), with
+    (atol, rtol) = TOL[dtype]. `ref=None`: the truth is its own reference (a float64 backend)."""
     atol, rtol = TOL[dtype]
     k = kernel.detach().double().reshape(-1)
     t = truth.detach().double().reshape(-1)
-    r = ref.detach().double().reshape(-1)
+    r = t if ref is None else ref.detach().double().reshape(-1)
     assert k.shape == t.shape, f"{name}: shape {tuple(k.shape)} != truth {tuple(t.shape)}"
     if k.numel() == 0:
         return
+    _log(name, dtype, k, r, t)
     err_k = (k - t).abs()
     ref_err = (r - t).abs()
     ref_max = float(ref_err[torch.isfinite(ref_err)].max()) if bool(torch.isfinite(ref_err).any()) else 0.0
@@ -43,30 +86,77 @@ def check_vs_truth(name: str, kernel: torch.Tensor, ref: torch.Tensor, truth: to
                              f"(same-dtype reference max error {ref_max:.3g}); worst:\n" + "\n".join(lines))
 
 
-def make_batch(n: int, v: int, seqlens, seed: int = 0, scale: float = 2.0, off_policy: float = 0.3):
-    """Packed float64 inputs on DEV (drawn on CPU, so identical everywhere): logits, targets,
-    advantages, mask (a fully masked sequence included), old/ref log-probs near the truth,
-    weights, and cu_seqlens (CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    assert sum(seqlens) == n
-    logits = torch.randn(n, v, generator=g, dtype=torch.float64) * scale
-    targets = torch.randint(0, v, (n,), generator=g)
-    cu = torch.tensor([0] + list(seqlens)).cumsum(0)
-    s = len(seqlens)
-    adv_seq = torch.randn(s, generator=g, dtype=torch.float64)
-    seq_ids = torch.repeat_interleave(torch.arange(s), torch.tensor(seqlens))
-    advantages = adv_seq[seq_ids] if n else torch.zeros(0, dtype=torch.float64)
-    mask = (torch.rand(n, generator=g) > 0.25).double()
-    if s >= 3:  # one fully masked sequence
-        mask[cu[1]:cu[2]] = 0.0
-    true_logp = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
-    old = true_logp + off_policy * torch.randn(n, generator=g, dtype=torch.float64)
-    ref = true_logp + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
-    weights = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
-    out = dict(logits=logits, targets=targets, advantages=advantages, mask=mask, old_logp=old,
-               ref_logp=ref, weights=weights)
-    return {**{k: x.to(DEV) for k, x in out.items()}, "cu_seqlens": cu}
+def check_vs_oracle(run, dtype) -> dict:
+    """The rule for one backend call: `run(mode)` with mode TRUTH | REFERENCE | BACKEND returns
+    the named results ({"loss": …, "d_logits": …}; None where absent) of that run. Every result
+    of the backend is checked against the truth with the reference's error as allowance, and
+    must have the reference's dtype (e.g. a bf16 gradient, float32 log-probs). Returns the
+    backend's results."""
+    truth = run(TRUTH)
+    ref = truth if dtype == torch.float64 else run(REFERENCE)
+    out = run(BACKEND)
+    assert set(out) == set(truth), f"result names {sorted(out)} != the oracle's {sorted(truth)}"
+    for key in truth:
+        if truth[key] is None or out[key] is None:
+            assert truth[key] is None and out[key] is None, f"{key}: backend {out[key]!r}, oracle {truth[key]!r}"
+            continue
+        assert out[key].dtype == ref[key].dtype, f"{key}: dtype {out[key].dtype}, expected {ref[key].dtype}"
+        check_vs_truth(key, out[key], None if ref is truth else ref[key], truth[key], dtype)
+    return out
 
+
+def loss_results(out, grads: dict) -> dict:
+    """A LossOutput and named gradients as check_vs_oracle's results (metrics as "metric <key>")."""
+    res = dict(loss=out.loss, logp=out.logp, entropy=out.entropy, **grads)
+    res.update({f"metric {k}": v for k, v in out.metrics.items()})
+    return res
+
+
+def make_batch(n: int, v: int, seqlens=None, *, seed: int = 0, dtype=torch.float64, scale: float = 2.0,
+               shift: float = 0.0, spread: float = 0.3, fully_masked: bool = True, device=DEV) -> dict:
+    """Packed inputs drawn on CPU (identical everywhere), then moved to `device` (cu_seqlens stays
+    on CPU): logits [N, V] = randn·scale + shift rounded to `dtype`, targets, per-token
+    advantages, a 75 % mask, old/ref log-probs within `spread` of the current policy (so the
+    ratios straddle the clip bounds), weights in [0.5, 1.5), cu_seqlens. `seqlens` None: an
+    empty sequence, a length-1 one, then the rest in four. With ≥ 3 sequences the last non-empty
+    one is fully masked (unless `fully_masked=False`)."""
+    g = torch.Generator().manual_seed(seed)
+    if seqlens is None:
+        rest = max(n - 1, 0)
+        k = max(1, min(4, rest))
+        cuts = [0, 0, min(n, 1)] + [1 + (rest * i) // k if n else 0 for i in range(1, k + 1)]
+        seqlens = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    assert sum(seqlens) == n, (seqlens, n)
+    cu = torch.tensor([0] + list(seqlens), dtype=torch.int64).cumsum(0)
+    logits = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = (torch.rand(n, generator=g) > 0.25).double()
+    nonempty = [i for i, s in enumerate(seqlens) if s]
+    if fully_masked and len(seqlens) >= 3 and nonempty:
+        i = nonempty[-1]
+        mask[int(cu[i]):int(cu[i + 1])] = 0.0
+    logp = torch.log_softmax(logits.double(), -1).gather(1, targets[:, None]).squeeze(1) if n and v else \
+        torch.zeros(n, dtype=torch.float64)
+    old = logp + spread * torch.randn(n, generator=g, dtype=torch.float64)
+    ref = logp + spread * torch.randn(n, generator=g, dtype=torch.float64)
+    weights = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
+    out = dict(logits=logits, targets=targets, advantages=adv, mask=mask, old_logp=old, ref_logp=ref,
+               weights=weights)
+    return {**{k: x.to(device) for k, x in out.items()}, "cu_seqlens": cu}
+
+
+def make_linear(n: int, h: int, v: int, seqlens=None, *, seed: int = 0, device=DEV) -> dict:
+    """make_batch plus lm_head inputs: hidden [N, H], weight [V, H] (logits of std ≈ 3), bias [V]."""
+    b = make_batch(n, v, seqlens, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed + 100)
+    b["hidden"] = torch.randn(n, h, generator=g, dtype=torch.float64).to(device)
+    b["weight"] = (torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 3).to(device)
+    b["bias"] = (torch.randn(v, generator=g, dtype=torch.float64) * 0.5).to(device)
+    return b
+
+
+ALL_INPUTS = frozenset({"old_logp", "ref_logp", "weights"})
 
 # Every option of the loss contract, each at least once (ids are the pytest ids).
 LOSS_CASES = [
@@ -89,6 +179,8 @@ LOSS_CASES = [
 
 
 def loss_kwargs(batch, uses, dtype):
+    """The optional loss inputs named in `uses`, float32 unless `dtype` is float64 (as a trainer
+    passes them): every run of one check gets these same values."""
     kw = dict(mask=batch["mask"], cu_seqlens=batch["cu_seqlens"])
     for key in ("old_logp", "ref_logp", "weights"):
         if key in uses:
@@ -96,3 +188,81 @@ def loss_kwargs(batch, uses, dtype):
     if "num_items" in uses:
         kw["num_items"] = 3 * batch["logits"].shape[0]
     return kw
+
+
+def loss_runner(fn, batch, dtype, config, uses=ALL_INPUTS, *, inplace: bool = False, loss_scale: float = 1.0,
+                num_items=None, **extra):
+    """check_vs_oracle's `run` for a loss on logits: `fn(logits, targets, advantages, config=…,
+    return_entropy=True, **optional inputs, **extra)`, backward of loss_scale·loss (≠ 1 checks
+    that the upstream gradient scales every gradient). `inplace`: the backend gets a non-leaf
+    copy of the logits leaf and inplace_backward=True. The logits keep their strides."""
+    x = batch["logits"].to(dtype)
+    adv = batch["advantages"] if dtype == torch.float64 else batch["advantages"].float()
+    kw = loss_kwargs(batch, uses, dtype)
+    if num_items is not None:
+        kw["num_items"] = num_items
+
+    def run(mode):
+        leaf = (x.double() if mode == TRUTH else x).clone().requires_grad_(True)
+        if mode == BACKEND:
+            src = leaf * 1 if inplace else leaf  # in place needs a non-leaf buffer to overwrite
+            extra_kw = dict(extra, inplace_backward=True) if inplace else extra
+            out = fn(src, batch["targets"], adv, config=config, return_entropy=True, **kw, **extra_kw)
+        else:  # the reference's gradient is rounded to the logits dtype on its way back through .to()
+            out = grpo_loss_reference(leaf.to(compute_dtype(leaf.dtype)), batch["targets"], adv, config=config,
+                                      return_entropy=True, **kw)
+        (out.loss * loss_scale).backward()
+        return loss_results(out, {"d_logits": leaf.grad})
+
+    return run
+
+
+def check_loss(fn, batch, dtype, config, uses=ALL_INPUTS, **kw) -> dict:
+    """check_vs_oracle(loss_runner(…), dtype): loss, logp, entropy, every metric, d_logits."""
+    return check_vs_oracle(loss_runner(fn, batch, dtype, config, uses, **kw), dtype)
+
+
+def fused_linear_runner(fn, batch, dtype, config, with_bias: bool, uses=ALL_INPUTS, *, loss_scale: float = 3.0,
+                        **extra):
+    """check_vs_oracle's `run` for a fused lm_head + loss: `fn(hidden, weight, targets, advantages,
+    bias=…, config=…, return_entropy=True, **optional inputs, **extra)`. The oracle materialises
+    the logits: the reference makes them in the input dtype, as the backend's chunk matmul does."""
+    adv = batch["advantages"] if dtype == torch.float64 else batch["advantages"].float()
+    kw = loss_kwargs(batch, uses, dtype)
+
+    def run(mode):
+        leaves = [(batch[k].to(dtype).double() if mode == TRUTH else batch[k].to(dtype)).clone().requires_grad_(True)
+                  for k in ("hidden", "weight", "bias")]
+        hid, w, bias = leaves
+        if mode == BACKEND:
+            out = fn(hid, w, batch["targets"], adv, bias=bias if with_bias else None, config=config,
+                     return_entropy=True, **kw, **extra)
+        else:
+            logits = hid @ w.t() + (bias if with_bias else 0)
+            out = grpo_loss_reference(logits.to(compute_dtype(logits.dtype)), batch["targets"], adv, config=config,
+                                      return_entropy=True, **kw)
+        (out.loss * loss_scale).backward()
+        return loss_results(out, dict(zip(("d_hidden", "d_weight", "d_bias"), (x.grad for x in leaves))))
+
+    return run
+
+
+def logprobs_runner(fn, logits, targets, temperature: float = 1.0, grad_weights=None):
+    """check_vs_oracle's `run` for `fn(logits, targets, temperature, True) -> (logp, entropy)`;
+    with `grad_weights` (w_logp, w_entropy) [N] also d_logits of Σ w_logp·logp + Σ w_entropy·entropy."""
+    from fastgrpo.kernels.reference import token_logprobs_reference
+
+    def run(mode):
+        leaf = (logits.double() if mode == TRUTH else logits).clone().requires_grad_(grad_weights is not None)
+        if mode == BACKEND:
+            logp, ent = fn(leaf, targets, temperature, True)
+        else:
+            logp, ent = token_logprobs_reference(leaf.to(compute_dtype(leaf.dtype)), targets, temperature, True)
+        res = dict(logp=logp, entropy=ent)
+        if grad_weights is not None:
+            w1, w2 = (w.to(logp.dtype) for w in grad_weights)
+            ((logp * w1).sum() + (ent * w2).sum()).backward()
+            res["d_logits"] = leaf.grad
+        return {k: v.detach() if v is not None else None for k, v in res.items()}
+
+    return run

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from fastgrpo import loss as api
-from fastgrpo.kernels.common import LossConfig
-from fastgrpo.kernels.fused_linear import default_chunk_size, fused_linear_grpo_loss
-from fastgrpo.kernels.reference import grpo_loss_reference
-from kernel_oracle import DEV, check_vs_truth, loss_kwargs, make_batch
+from fastgrpo.kernels.contract import LossConfig
+from fastgrpo.kernels.fused_linear import default_chunk_size
+from fastgrpo.loss import fused_linear_grpo_loss
+from kernel_oracle import BACKEND, check_vs_oracle, fused_linear_runner, loss_kwargs, make_linear
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -21,28 +21,9 @@ CONFIGS = {
 USES = {"old_logp", "ref_logp", "weights"}
 
 
-def make_linear(n, h, v, seqlens, seed):
-    b = make_batch(n, v, seqlens, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    b["hidden"] = torch.randn(n, h, generator=g, dtype=torch.float64).to(DEV)
-    b["weight"] = (torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 3).to(DEV)
-    b["bias"] = (torch.randn(v, generator=g, dtype=torch.float64) * 0.5).to(DEV)
-    return b
-
-
 def run(fn, b, dtype, cfg, with_bias, **extra):
-    leaves = [b[k].to(dtype).clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
-    hid, w, bias = leaves
-    kw = loss_kwargs(b, USES, dtype)
-    adv = b["advantages"].to(dtype) if dtype == torch.float64 else b["advantages"].float()
-    if fn is grpo_loss_reference:
-        logits = hid @ w.t() + (bias if with_bias else 0)
-        out = fn(logits, b["targets"], adv.to(dtype), config=cfg, return_entropy=True, **kw)
-    else:
-        out = fn(hid, w, b["targets"], adv, bias=bias if with_bias else None, config=cfg,
-                 return_entropy=True, **kw, **extra)
-    (3.0 * out.loss).backward()  # an upstream gradient ≠ 1 must scale every gradient
-    return out, [x.grad for x in leaves]
+    """The backend's results alone (no oracle): for comparisons between its own runs."""
+    return fused_linear_runner(fn, b, dtype, cfg, with_bias, USES, **extra)(BACKEND)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])  # torch: the per-chunk CPU twin
@@ -52,37 +33,22 @@ def test_fused_linear_vs_oracle(cfg_name, dtype, impl):
     cfg = CONFIGS[cfg_name]
     with_bias = cfg_name != "token-plain"
     b = make_linear(61, 24, 517, [20, 1, 15, 25], seed=len(cfg_name))
-    truth, g_truth = run(grpo_loss_reference, b, torch.float64, cfg, with_bias)
-    ref, g_ref = run(grpo_loss_reference, b, dtype, cfg, with_bias)
-    kern, g_kern = run(fused_linear_grpo_loss, b, dtype, cfg, with_bias, chunk_size=16, impl=impl)
-    for name in ("loss", "logp", "entropy"):
-        check_vs_truth(name, getattr(kern, name), getattr(ref, name), getattr(truth, name), dtype)
-    for key in truth.metrics:
-        check_vs_truth(f"metric {key}", kern.metrics[key], ref.metrics[key], truth.metrics[key], dtype)
-    for name, gk, gr, gt in zip(("d_hidden", "d_weight", "d_bias"), g_kern, g_ref, g_truth):
-        if name == "d_bias" and not with_bias:
-            assert gk is None
-            continue
-        assert gk.dtype == dtype, name
-        check_vs_truth(name, gk, gr, gt, dtype)
+    check_vs_oracle(fused_linear_runner(fused_linear_grpo_loss, b, dtype, cfg, with_bias, USES, chunk_size=16,
+                                        impl=impl), dtype)
 
 
 def test_chunking_does_not_change_the_result_and_facade_dispatches():
     b = make_linear(50, 16, 300, [25, 25], seed=3)
     cfg = CONFIGS["token-all"]
-    base = None
-    for chunk in (1, 7, 50, None):
-        out, grads = run(fused_linear_grpo_loss, b, torch.float32, cfg, True, chunk_size=chunk, impl="triton")
-        if base is None:
-            base = (out, grads)
-            continue
-        assert torch.allclose(out.loss, base[0].loss, atol=1e-6), chunk
-        for g, g0 in zip(grads, base[1]):
-            assert torch.allclose(g, g0, atol=1e-6, rtol=1e-5), chunk
-    out, grads = run(lambda *a, **k: api.fused_linear_grpo_loss(*a, impl="triton", **k), b, torch.float32, cfg, True,
-                     chunk_size=13)
-    assert torch.allclose(out.loss, base[0].loss, atol=1e-6)
-    assert all(torch.allclose(g, g0, atol=1e-6, rtol=1e-5) for g, g0 in zip(grads, base[1]))
+    grads = ("d_hidden", "d_weight", "d_bias")
+    base = run(fused_linear_grpo_loss, b, torch.float32, cfg, True, chunk_size=1, impl="triton")
+    facade = lambda *a, **k: api.fused_linear_grpo_loss(*a, impl="triton", **k)  # noqa: E731
+    for fn, chunk in ((fused_linear_grpo_loss, 7), (fused_linear_grpo_loss, 50), (fused_linear_grpo_loss, None),
+                      (facade, 13)):
+        out = run(fn, b, torch.float32, cfg, True, chunk_size=chunk, **({"impl": "triton"} if fn is not facade else {}))
+        assert torch.allclose(out["loss"], base["loss"], atol=1e-6), chunk
+        for key in grads:
+            assert torch.allclose(out[key], base[key], atol=1e-6, rtol=1e-5), (chunk, key)
 
 
 def test_frozen_weight_gets_no_gradient_and_only_hidden_is_computed():
@@ -116,10 +82,11 @@ def test_default_chunk_fits_the_budget():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(weight=torch.zeros(5, 3)), r"weight: expected shape \[V, 4\]"),
-    (dict(bias=torch.zeros(7)), r"bias: expected None or a \[5\] tensor"),
+    (dict(weight=torch.zeros(5, 3)), r"weight: expected a \[V, H=4\] tensor"),
+    (dict(bias=torch.zeros(7)), r"bias: expected None or a tensor \[V=5\]"),
+    (dict(bias=torch.zeros(5, dtype=torch.float64)), r"bias: expected None or a tensor \[V=5\] of dtype torch.float32"),
     (dict(chunk_size=0), "chunk_size: expected None or a positive int"),
-    (dict(impl="cuda"), "impl: expected one of"),
+    (dict(impl="cuda"), "impl='cuda': expected one of"),
     (dict(targets=torch.tensor([0, 1, 5])), r"targets: values must lie in \[0, V=5\)"),
     (dict(advantages=torch.zeros(2)), r"advantages: expected shape \[3\]"),
 ])

@@ -3,12 +3,11 @@ import pytest
 import torch
 
 from fastgrpo import loss as api
-from fastgrpo.kernels import _triton_common as tc
-from fastgrpo.kernels.common import LossConfig
-from fastgrpo.kernels.grpo_loss import grpo_loss_triton
-from fastgrpo.kernels.logprobs import _token_logprobs_fwd_kernel
-from fastgrpo.kernels.reference import grpo_loss_reference
-from kernel_oracle import DEV, LOSS_CASES, check_vs_truth, loss_kwargs, make_batch
+from fastgrpo.kernels.triton import _common as tc
+from fastgrpo.kernels.contract import LossConfig
+from fastgrpo.kernels.triton.grpo_loss import grpo_loss_triton
+from fastgrpo.kernels.triton.logprobs import _token_logprobs_fwd_kernel
+from kernel_oracle import DEV, LOSS_CASES, check_loss, loss_kwargs, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -19,31 +18,7 @@ SHAPES = [(1, 7, [1]), (7, 123, [3, 1, 0, 3]), (123, 507, [40, 30, 1, 52]), (45,
 
 def run_case(dtype, cfg, uses, shape, seed=0, inplace=False):
     n, v, seqlens = shape
-    b = make_batch(n, v, seqlens, seed=seed)
-    x = b["logits"].to(dtype)
-    adv = b["advantages"].float() if dtype != torch.float64 else b["advantages"]
-    kw = loss_kwargs(b, uses, dtype)
-
-    def run(fn, logits, **extra):
-        leaf = logits.clone().requires_grad_(True)
-        src = leaf * 1 if inplace else leaf  # in place needs a non-leaf buffer to overwrite
-        out = fn(src, b["targets"], adv.to(logits.dtype) if fn is grpo_loss_reference else adv,
-                 config=cfg, return_entropy=True, **kw, **extra)
-        out.loss.backward()
-        return out, leaf.grad
-
-    truth, g_truth = run(grpo_loss_reference, x.double())
-    ref, g_ref = run(grpo_loss_reference, x)
-    kern, g_kern = run(grpo_loss_triton, x, inplace_backward=inplace)
-    check_vs_truth("loss", kern.loss, ref.loss, truth.loss, dtype)
-    check_vs_truth("logp", kern.logp, ref.logp, truth.logp, dtype)
-    check_vs_truth("entropy", kern.entropy, ref.entropy, truth.entropy, dtype)
-    check_vs_truth("grad", g_kern, g_ref, g_truth, dtype)
-    assert g_kern.dtype == dtype
-    assert set(kern.metrics) == set(truth.metrics)
-    for key in truth.metrics:
-        check_vs_truth(f"metric {key}", kern.metrics[key], ref.metrics[key], truth.metrics[key], dtype)
-    return kern, g_kern
+    return check_loss(grpo_loss_triton, make_batch(n, v, seqlens, seed=seed), dtype, cfg, uses, inplace=inplace)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -118,23 +93,11 @@ def test_strided_logits_row_stride_and_transposed_view():
 
 def test_more_rows_than_one_grid_dimension_allows():
     # 70 000 rows > 65 535, the limit of grid axes 1/2 (and of Liger's kernels at one row per program).
-    n, v = 70_001, 5
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, v, generator=g).to(DEV)
-    y = torch.randint(0, v, (n,), generator=g).to(DEV)
-    adv = torch.randn(n, generator=g).to(DEV)
-    cu = torch.tensor([0, 30_000, 70_001])
+    b = make_batch(70_001, 5, [30_000, 40_001], seed=5)
+    b["mask"][-1] = 1.0
     cfg = LossConfig(loss_agg="seq-mean-token-mean", entropy_coef=0.01)
-    outs = {}
-    for name, fn, dt in (("truth", grpo_loss_reference, torch.float64), ("ref", grpo_loss_reference, torch.float32),
-                         ("kern", grpo_loss_triton, torch.float32)):
-        leaf = x.to(dt).clone().requires_grad_(True)
-        out = fn(leaf, y, adv.to(dt), cu_seqlens=cu, config=cfg)
-        out.loss.backward()
-        outs[name] = (out, leaf.grad)
-    check_vs_truth("logp", outs["kern"][0].logp, outs["ref"][0].logp, outs["truth"][0].logp, torch.float32)
-    check_vs_truth("grad", outs["kern"][1], outs["ref"][1], outs["truth"][1], torch.float32)
-    assert torch.count_nonzero(outs["kern"][1][-1]) > 0, "the last row must be reached"
+    out = check_loss(grpo_loss_triton, b, torch.float32, cfg, uses=set())
+    assert torch.count_nonzero(out["d_logits"][-1]) > 0, "the last row must be reached"
 
 
 def test_fully_masked_batch_gives_zero_gradient_and_loss():
@@ -219,7 +182,7 @@ def test_runtime_scalars_are_not_constexpr_and_gpu_pruning_keeps_valid_configs(m
     # A new temperature must not recompile: inv_temp has to be a runtime argument.
     import inspect
 
-    from fastgrpo.kernels.grpo_loss import _grpo_loss_bwd_kernel
+    from fastgrpo.kernels.triton.grpo_loss import _grpo_loss_bwd_kernel
 
     for kernel in (_token_logprobs_fwd_kernel, _grpo_loss_bwd_kernel):
         params = inspect.signature(kernel.fn.fn).parameters  # Autotuner → JIT/InterpretedFunction → def

@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from fastgrpo import loss as api
-from fastgrpo.kernels.logprobs import token_logprobs_fwd, token_logprobs_triton
-from fastgrpo.kernels.reference import token_logprobs_reference
-from kernel_oracle import DEV, check_vs_truth
+from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd, token_logprobs_triton
+from kernel_oracle import DEV, check_vs_oracle, logprobs_runner, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -17,18 +16,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"N{n}-V{v}" for n, v in SHAPES])
 def test_logprobs_and_entropy_vs_oracle(shape, dtype):
     n, v = shape
-    g = torch.Generator().manual_seed(n * 1000 + v)
-    x = (torch.randn(n, v, generator=g) * 4 + 8).to(DEV, dtype)  # offset: large logits test the lse shift
-    y = torch.randint(0, v, (n,), generator=g).to(DEV)
+    # offset logits: large values test the lse shift
+    b = make_batch(n, v, seed=n * 1000 + v, dtype=dtype, scale=4.0, shift=8.0)
+    x, y = b["logits"], b["targets"]
     for tau in (1.0, 0.6):
-        truth = token_logprobs_reference(x.double(), y, tau, True)
-        ref = token_logprobs_reference(x, y, tau, True)
-        logp, ent = token_logprobs_triton(x, y, tau, return_entropy=True)
-        assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-        check_vs_truth(f"logp tau={tau}", logp, ref[0], truth[0], dtype)
-        check_vs_truth(f"entropy tau={tau}", ent, ref[1], truth[1], dtype)
+        out = check_vs_oracle(logprobs_runner(token_logprobs_triton, x, y, tau), dtype)
         logp_only, none = token_logprobs_triton(x, y, tau)
-        assert none is None and torch.equal(logp_only, logp)
+        assert none is None and torch.equal(logp_only, out["logp"])
 
 
 def test_lse_is_returned_and_rows_stay_independent_of_tiling():

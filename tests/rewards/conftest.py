@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 from fastgrpo.rewards import RewardPool
-from fastgrpo.rewards.pool import SANDBOX_UID_BASE
+from fastgrpo.rewards.sandbox.pool import SANDBOX_UID_BASE
 
 
 def sandbox_processes():

@@ -92,3 +92,30 @@ def test_reward_manager_with_arithmetic_demo_format(pool):
         RewardManager({"math": 1.0}, options={"format": {"strict": False}}, pool=pool)
     with pytest.raises(ValueError, match="weights"):
         RewardManager({"mathh": 1.0}, pool=pool)
+
+
+def test_score_groups_non_finite_and_none():
+    """The trainer's scoring path: a None score and a raising call both count `error_score`, in
+    each reward and in the weighted total (the same rule as combine_rewards(none_score=...))."""
+    from fastgrpo.rewards.combine import score_groups
+
+    class C:
+        def __init__(self, text):
+            self.text = text
+
+    class P:
+        def __init__(self, i):
+            self.id, self.answer = i, "1"
+
+    fns = {"accuracy": lambda c, a: [float("nan") if t == "bad" else (None if t == "none" else 1.0) for t in c],
+           "format": lambda c, a: [0.5] * len(c)}
+    groups = [[C("ok"), C("none")], [C("bad"), C("ok")]]
+    per_fn, total, dropped, errors = score_groups([P(7), P(8)], groups, fns, ["accuracy", "format"], [1.0, 2.0],
+                                                  error_score=-2.0)
+    assert per_fn["accuracy"].tolist() == [[1.0, -2.0], [-2.0, -2.0]]
+    assert total.tolist() == [[2.0, -1.0], [-1.0, -1.0]]
+    assert len(errors) == 1 and "prompt id 8" in errors[0] and "non-finite" in errors[0] and not dropped
+    _, _, dropped, _ = score_groups([P(7), P(8)], groups, fns, ["accuracy"], [1.0], on_error="drop")
+    assert dropped == {1}
+    mixed = combine_rewards({"a": [1.0, None]}, {"a": 2.0}, none_score=-2.0)
+    assert mixed.total == [2.0, -4.0] and mixed.components["a"] == [1.0, None]

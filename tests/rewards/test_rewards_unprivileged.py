@@ -28,7 +28,7 @@ def _python_for_nobody():
     if os.geteuid() != 0:
         return [sys.executable]
     # the venv interpreter may sit under /root (mode 0700): use a world-executable python3
-    from fastgrpo.rewards.sandbox import sandbox_python
+    from fastgrpo.rewards.sandbox.runner import sandbox_python
 
     return [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups", "--",
             sandbox_python(True)]

@@ -1,4 +1,4 @@
-"""The native decode step (fastgrpo/rollout/lean_step.cpp) against LeanStepper's Python step:
+"""The native decode step (csrc/jit/decode_step.cpp) against LeanStepper's Python step:
 same logits and caches step after step (Qwen2 with q/k/v biases, Llama without; GQA 2:1, 4:2 and
 none; left padding; rows dropped midway), same rollouts through the engine, and every way of
 not having it (switched off, more than one thread, a failed build) leaves the Python step."""
@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig
-from fastgrpo.rollout import _native
-from fastgrpo.rollout._decode import LeanStepper
+from fastgrpo.native import decode_step as _native
+from fastgrpo.rollout.decoders import LeanStepper
 from fastgrpo.rollout.torch_engine import TorchEngine
 
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_it_builds_here():
     # the CI machine has a compiler: a silent fallback there would leave the native step untested
-    assert _native.lean_step_module() is not None
+    assert _native.decode_step_module() is not None
 
 
 def _model(arch, heads, kv_heads, head_dim, seed=0, hidden=64):
@@ -114,20 +114,20 @@ def test_when_the_python_step_is_used(monkeypatch):
 
 @pytest.fixture
 def reload_native():
-    """`lean_step_module()` loads afresh inside the test, and the cached module is back after."""
-    assert _native.lean_step_module() is not None
+    """`decode_step_module()` loads afresh inside the test, and the cached module is back after."""
+    assert _native.decode_step_module() is not None
     _native._load.cache_clear()
     yield
     _native._load.cache_clear()
 
 
 def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path, reload_native):
-    bad = tmp_path / "lean_step.cpp"
+    bad = tmp_path / "decode_step.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(_native, "SOURCE", str(bad))
+    monkeypatch.setattr(_native, "sources", lambda: [str(bad)])
     monkeypatch.setenv("FASTGRPO_EXT_DIR", str(tmp_path / "ext"))
     with pytest.warns(RuntimeWarning, match="native decode step could not be built"):
-        assert _native.lean_step_module() is None
+        assert _native.decode_step_module() is None
 
 
 def test_a_stale_lock_from_a_killed_build_does_not_hang(reload_native):
@@ -137,7 +137,7 @@ def test_a_stale_lock_from_a_killed_build_does_not_hang(reload_native):
     open(lock, "w").close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _native.lean_step_module() is not None
+        assert _native.decode_step_module() is not None
     assert not os.path.exists(lock)
 
 
@@ -187,7 +187,7 @@ def test_a_held_build_lock_times_out_into_the_python_step(monkeypatch, reload_na
     with open(os.path.join(_native.build_dir(), ".fastgrpo.lock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: conflicts like another process
         with pytest.warns(RuntimeWarning, match="locked by another build"):
-            assert _native.lean_step_module() is None
+            assert _native.decode_step_module() is None
 
 
 def test_ninja_from_the_venv_when_path_has_none(monkeypatch):

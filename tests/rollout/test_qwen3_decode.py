@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from fastgrpo.demo.tiny import build_char_tokenizer
-from fastgrpo.models import packed_logprobs
-from fastgrpo.packed import build_packed_batches
+from fastgrpo.models.tiny import build_char_tokenizer
+from fastgrpo.models.packed import packed_logprobs
+from fastgrpo.packing.layout import build_packed_batches
 from fastgrpo.rollout import SamplingConfig
-from fastgrpo.rollout._decode import HFStepper, LeanStepper
+from fastgrpo.rollout.decoders import HFStepper, LeanStepper
 from fastgrpo.rollout.torch_engine import TorchEngine
 
 PROMPTS = ["1+2=", "12*34-5=", "a", "(7+8)*9="]

@@ -3,7 +3,7 @@ log-probs equal a forward pass's, top-k / top-p semantics, seeds, stops, weight 
 import pytest
 import torch
 
-from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig, make_engine
 from fastgrpo.rollout.torch_engine import TorchEngine, process_logits
 
@@ -214,8 +214,8 @@ def test_stop_token_on_the_last_step_is_a_stop():
 def test_unsupported_architecture_falls_back_to_the_hf_module():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from fastgrpo.demo.tiny import build_char_tokenizer
-    from fastgrpo.rollout._decode import LeanStepper
+    from fastgrpo.models.tiny import build_char_tokenizer
+    from fastgrpo.rollout.decoders import LeanStepper
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)

@@ -5,10 +5,10 @@ takes `pick` when the native module is switched off."""
 import pytest
 import torch
 
-from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig
-from fastgrpo.rollout import _native
-from fastgrpo.rollout._decode import pick, uniforms
+from fastgrpo.native import decode_step as _native
+from fastgrpo.rollout.decoders import pick, uniforms
 from fastgrpo.rollout.torch_engine import TorchEngine, process_logits
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -3.0, 1.5])
@@ -18,7 +18,7 @@ CHI2_CRIT_DF5 = 25.74
 
 @pytest.fixture(scope="module")
 def native():
-    mod = _native.lean_step_module()
+    mod = _native.decode_step_module()
     assert mod is not None  # the CI machine has a compiler: a silent fallback would leave it untested
     return mod
 

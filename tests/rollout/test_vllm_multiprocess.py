@@ -9,7 +9,7 @@ import torch
 
 import vllm  # noqa: F401
 
-from fastgrpo.demo.tiny import build_tiny_model
+from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig, make_engine
 from fastgrpo.rollout.torch_engine import TorchEngine
 

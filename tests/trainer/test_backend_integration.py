@@ -10,9 +10,10 @@ import pytest
 import torch
 from trainer_helpers import NoisyTask
 
-from fastgrpo import checkpoint as ckpt
+from fastgrpo.trainer import checkpoint as ckpt
 from fastgrpo import cli
-from fastgrpo.trainer import Trainer, _zero_loss
+from fastgrpo.trainer.backend import zero_weighted_loss
+from fastgrpo.trainer.grpo import Trainer
 
 
 def _state(t):
@@ -71,7 +72,7 @@ def test_zero_loss_reaches_every_parameter_with_zero_gradient(cfg_factory):
     t = Trainer(cfg_factory("steps=1"), task=NoisyTask(), log=lambda m: None)
     model = t.backend.module
     hidden = model.model(input_ids=torch.tensor([[5, 6, 7]])).last_hidden_state[0]
-    loss = _zero_loss(model, hidden)
+    loss = zero_weighted_loss(model, hidden)
     assert loss.item() == 0.0
     loss.backward()
     for n, p in model.named_parameters():

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from fastgrpo.builders import build_model, build_optimizer, build_task, score_groups
+from fastgrpo.trainer.build import build_model, build_optimizer, build_task
 from fastgrpo.config import load_config
-from fastgrpo.demo.arithmetic import ArithmeticTask, accuracy_reward, format_reward
-from fastgrpo.metrics import MetricsLogger, make_plots, read_metrics
+from fastgrpo.tasks.arithmetic import ArithmeticTask, accuracy_reward, format_reward
+from fastgrpo.trainer.metrics import MetricsLogger, make_plots, read_metrics
 
 
 def _lrs(schedule, steps=10, warmup=2, floor=0.1):
@@ -61,22 +61,6 @@ def test_jsonl_task(tmp_path):
         build_task(load_config(None, ["data.task=jsonl", f"data.path={bad}"]).data)
     with pytest.raises(ValueError, match="data.path"):
         load_config(None, ["data.task=jsonl"])
-
-
-def test_score_groups_non_finite_and_none():
-    class C:
-        def __init__(self, text):
-            self.text = text
-
-    class P:
-        def __init__(self, i):
-            self.id, self.answer = i, "1"
-
-    cfg = load_config(None, ["rewards.functions=[accuracy]", "rewards.weights=[1]", "rewards.error_score=-2"]).rewards
-    fns = {"accuracy": lambda c, a: [float("nan") if t == "bad" else (None if t == "none" else 1.0) for t in c]}
-    per_fn, dropped, errors = score_groups([P(7), P(8)], [[C("ok"), C("none")], [C("bad"), C("ok")]], fns, cfg)
-    assert per_fn["accuracy"].tolist() == [[1.0, -2.0], [-2.0, -2.0]]
-    assert len(errors) == 1 and "prompt id 8" in errors[0] and "non-finite" in errors[0] and not dropped
 
 
 def test_metrics_logger_and_torn_line(tmp_path):

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from fastgrpo import checkpoint as ckpt
-from fastgrpo.trainer import Trainer
+from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.trainer.grpo import Trainer
 
 from trainer_helpers import NoisyTask
 
@@ -154,8 +154,8 @@ def test_resume_from_a_checkpoint_with_sharded_weights(tmp_path):
     merge the shards listed in model.safetensors.index.json."""
     import functools
 
-    from fastgrpo import checkpoint as ckpt_mod
-    from fastgrpo.demo.tiny import build_tiny_model
+    from fastgrpo.trainer import checkpoint as ckpt_mod
+    from fastgrpo.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model("llama", seed=0)
     model.save_pretrained = functools.partial(type(model).save_pretrained, model, max_shard_size="20KB")
@@ -174,8 +174,8 @@ def test_resume_with_an_engine_behind_the_policy_continues_exactly(cfg_factory, 
     whose engine is behind waits for the next synced step, so a run killed at step 3 resumes from
     step 2 and ends with the weights of an uninterrupted run; an explicit save while stale is
     marked and reported at resume."""
-    from fastgrpo.builders import build_model
-    from fastgrpo.checkpoint import list_checkpoints
+    from fastgrpo.trainer.build import build_model
+    from fastgrpo.trainer.checkpoint import list_checkpoints
     from fastgrpo.rollout.torch_engine import TorchEngine
 
     def make(out, *extra):

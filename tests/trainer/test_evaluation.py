@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastgrpo.config import EvalConfig, RolloutConfig, load_config
-from fastgrpo.evaluation import evaluate, pass_at_k
+from fastgrpo.trainer.evaluation import evaluate, pass_at_k
 
 
 def test_pass_at_k_equals_the_combinatorial_definition():

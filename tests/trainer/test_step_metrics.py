@@ -4,7 +4,7 @@ import torch
 from trainer_helpers import NoisyTask
 
 import fastgrpo.loss as loss_mod
-from fastgrpo.trainer import Trainer
+from fastgrpo.trainer.grpo import Trainer
 
 
 def test_logged_entropy_is_the_masked_mean_of_the_loss_entropies(cfg_factory, monkeypatch):
@@ -53,8 +53,8 @@ def test_pack_tokenizes_new_prompts_once_and_packs_every_kept_rollout(cfg_factor
     problems = t.curriculum.sample(4)
     problems = problems + problems[:1]  # a prompt twice in one batch
     groups = t._rollout(problems)
-    per_fn, dropped = t._score(problems, groups)
-    _, adv, keep, _ = t._advantages(problems, per_fn, dropped)
+    per_fn, total, dropped = t._score(problems, groups)
+    _, adv, keep, _ = t._advantages(problems, per_fn, total, dropped)
     keep[:] = True
     keep[1] = False
     batches = t._pack(problems, groups, adv, keep)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from trainer_helpers import NoisyTask
 
-from fastgrpo.metrics import nvtx_range, set_nvtx
+from fastgrpo.trainer.metrics import nvtx_range, set_nvtx
 from fastgrpo.pipeline import run_train
-from fastgrpo.trainer import Trainer, TrainingStopped
+from fastgrpo.trainer.grpo import Trainer, TrainingStopped
 
 
 def _poison_when_training(model, steps_to_poison):
@@ -72,9 +72,9 @@ def test_reward_drop_mode_drops_failing_groups(cfg_factory):
     t = Trainer(cfg_factory("steps=1", "rewards.on_error=drop"), task=NoisyTask(fail_even=True), log=lambda m: None)
     problems = t.curriculum.sample(4)
     groups = t._rollout(problems)
-    per_fn, dropped = t._score(problems, groups)
+    per_fn, total, dropped = t._score(problems, groups)
     assert dropped == {i for i, p in enumerate(problems) if int(p.answer) % 2 == 0}
-    _, _, keep, _ = t._advantages(problems, per_fn, dropped)
+    _, _, keep, _ = t._advantages(problems, per_fn, total, dropped)
     assert not any(keep[i] for i in dropped)
     t.close()
 
@@ -183,7 +183,7 @@ def test_engine_behind_the_policy_supplies_the_old_logprobs(cfg_factory):
     policy (ratio 1, no old log-probs); step 2 samples from weights one update old, so the packed
     batch carries the rollout's own sampling log-probs as old log-probs and the importance ratio
     moves off 1; step 3 (after the step-2 sync) is on-policy again."""
-    from fastgrpo.builders import build_model
+    from fastgrpo.trainer.build import build_model
     from fastgrpo.rollout.torch_engine import TorchEngine
 
     cfg = cfg_factory("steps=3", "sync.every=2", "optimizer.lr=0.05")
@@ -220,7 +220,7 @@ def test_top_k_with_an_engine_behind_the_policy_is_refused(cfg_factory):
     """Truncated sampling log-probs are not the policy's: with sync.every > 1 and an engine of
     its own they cannot be the old log-probs, so the trainer refuses the combination, naming
     the fields; the built-in engine on the trainer's module is never behind and is accepted."""
-    from fastgrpo.builders import build_model
+    from fastgrpo.trainer.build import build_model
     from fastgrpo.rollout.torch_engine import TorchEngine
 
     cfg = cfg_factory("sync.every=2", "rollout.top_k=5")

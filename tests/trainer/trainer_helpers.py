@@ -3,7 +3,7 @@ problems; 4 prompts × G=4 per step) and a task whose reward varies across sampl
 untrained model, so that every step really updates the weights."""
 
 from fastgrpo.config import load_config
-from fastgrpo.demo.arithmetic import ArithmeticTask
+from fastgrpo.tasks.arithmetic import ArithmeticTask
 
 TINY = [
     "threads=1", "steps=2", "sft_first=false",

@@ -1,0 +1,463 @@
+"""Packed (padding-free) forward of Hugging Face causal LMs for GRPO training.
+
+All sequences of a `PackedBatch` run as one row `[1, T]` with position ids restarting at each
+sequence, and attention must not cross sequence boundaries:
+
+- flash-attention models (`attn_implementation="flash_attention_2"`/`_3`, GPU): transformers'
+  varlen path, fed `cu_seq_lens_q/k` and `max_length_q/k` directly (transformers ≥ 4.53 /
+  5.x `_flash_attention_forward`, the "padding free" case), so nothing is inferred from
+  position ids and no mask is built: the layout of TRL's padding-free training and verl's
+  remove-padding.
+- sdpa / eager models (CPU): `attn="varlen"` (default) switches the model, once and for good,
+  to the attention implementation "fastgrpo_varlen_sdpa" registered in transformers'
+  `AttentionInterface`: given the same `cu_seq_lens_q` kwarg as flash-attn it runs causal SDPA
+  per sequence, sequences of similar length gathered into one right-padded SDPA call (exact
+  under the causal mask, see `_VarlenPlan`) — O(Σ L²) work plus bounded padding, no T×T mask;
+  called without it (an ordinary padded forward, `generate`) it is plain SDPA with SDPA's mask.
+  The switch is not undone after the call on purpose: with gradient checkpointing the layers run
+  again during backward, and they must dispatch the same way then. `attn="mask"` instead relies
+  on transformers' own packed-sequence detection (`masking_utils.find_packed_sequence_indices`:
+  a position that does not follow its predecessor by 1 starts a sequence), which builds a T×T
+  block-diagonal causal mask; that detection is skipped whenever a KV cache exists, hence
+  `use_cache=False` on every call here. Departure from flash-attn: "varlen" does not do sliding windows (ValueError).
+
+float32 CPU models built by `build_model` run their linears on oneDNN (`fastgrpo.models.onednn`), which
+compiles one kernel per row count: their packed row is padded to the next count on a short ladder
+with tokens past the last segment, which attend nothing (output 0, checked against
+`cu_seq_lens_q` through a `fastgrpo_pad_rows` kwarg) and are cut off before anything is returned.
+
+The forward always goes through the model object given (a DDP / DeepSpeed wrapper's hooks run).
+Only the rows at `PackedBatch.logit_index` (positions whose next token is a completion token)
+are returned / sent through the lm_head (`logits_to_keep`), so prompt tokens never produce
+logits and a fused linear + loss kernel can take the hidden states directly.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fastgrpo.models.onednn import ONEDNN_ATTR, padded_rows
+from fastgrpo.packing.layout import PackedBatch
+
+VARLEN_ATTN = "fastgrpo_varlen_sdpa"
+# The forward kwarg carrying `PackedBatch.segment_prefix` to the varlen attention (through the
+# model's **kwargs, like cu_seq_lens_q, so a checkpointed recomputation receives it too).
+PREFIX_KWARG = "fastgrpo_segment_prefix"
+# The forward kwarg carrying how many ladder-padding rows follow the last segment (cpu_gemm)
+PAD_KWARG = "fastgrpo_pad_rows"
+_FLASH_PREFIXES = ("flash_attention", "kernels-community/flash", "kernels-community/vllm-flash")
+_SWITCHABLE = ("sdpa", "eager", VARLEN_ATTN)
+# Set while _run runs the model: the mask builder then returns no mask (the
+# varlen attention needs none) instead of a T×T block-diagonal one. Masks are built once per
+# forward outside the layers, so checkpoint recomputation never consults this flag.
+PACKED_CALL = contextvars.ContextVar("fastgrpo_packed_call", default=False)
+
+
+class _VarlenPlan:
+    """How the sequences of one packed row are attended: sorted by length, cut into buckets,
+    each bucket gathered into a right-padded `[S_b, H, L_b, D]` block and run as one causal SDPA.
+
+    Right padding is exact under a causal mask: a real query at position i < L only sees keys
+    ≤ i, all real; the padded rows are dropped afterwards, so their gradient is 0 and the
+    gradient they send to the keys / values they touch is exactly 0 too (index_add of zeros).
+    Buckets trade padding against calls: one SDPA call (forward + backward) costs about as much
+    as `_CALL_COST` query·key·(heads × head dim) products (measured on one CPU thread: ~40 µs
+    per call vs ~0.3 ns per product), so a sequence joins the current bucket while the causal work its
+    padding adds is below that. Measured (tiny Qwen2, one thread, forward + backward of a
+    packed row): 64 sequences of 4–40 tokens 23 → 18 ms, 256 of them 123 → 64 ms (a padded
+    batch: 110 ms) — the per-sequence loop spent more in slicing and its backward (a zero-filled
+    [H, T, D] gradient per slice) than in attention; spread lengths (16 of 70–290 tokens) tie.
+
+    Shared-prefix batches (`PackedBatch.segment_prefix`): a segment whose queries also attend a
+    prefix span (a completion after its group's shared prompt) is gathered as queries
+    `[S_b, H, Lq_b, D]` against keys / values `prefix ‖ own tokens ‖ padding` `[S_b, H, Lk_b, D]`
+    with an explicit mask (query i sees key j iff j ≤ prefix length + i): the same exactness
+    argument holds, and the prefix tokens' gradients are summed over every segment that read
+    them (index_select's backward).
+    """
+
+    __slots__ = ("cu", "version", "prefix", "prefix_version", "device", "width", "buckets", "unpad", "_bias",
+                 "_tail")
+
+    def __init__(self, cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None):
+        bounds = cu.tolist()
+        pre = prefix.tolist() if prefix is not None else [(0, 0)] * (len(bounds) - 1)
+        if len(pre) != len(bounds) - 1 or any(len(r) != 2 for r in pre):
+            raise ValueError(f"segment_prefix: expected {len(bounds) - 1} (start, length) rows (one per "
+                             f"segment), got shape {tuple(prefix.shape)}")
+        for s_, (ps, pl) in enumerate(pre):
+            if pl != 0 and not (0 <= ps and pl > 0 and ps + pl <= bounds[s_]):
+                raise ValueError(f"segment_prefix[{s_}] = ({ps}, {pl}): a prefix must be a span of tokens "
+                                 f"(length >= 0) before its segment, which starts at token {bounds[s_]}")
+        seqs = sorted(((bounds[s + 1] - bounds[s], bounds[s]) for s in range(len(bounds) - 1)
+                       if bounds[s + 1] > bounds[s] and pre[s][1] == 0), reverse=True)
+        groups = []  # [(L_b, [lengths], [starts])], longest first
+        for n, a in seqs:
+            if groups and width * (groups[-1][0] ** 2 - n * n) // 2 <= _CALL_COST:
+                groups[-1][1].append(n)
+                groups[-1][2].append(a)
+            else:
+                groups.append((n, [n], [a]))
+        unpad = torch.empty(bounds[-1] if bounds else 0, dtype=torch.int64)
+        self.buckets, offset = [], 0
+        for L, lens, starts in groups:
+            n = torch.tensor(lens, dtype=torch.int64)[:, None]
+            a = torch.tensor(starts, dtype=torch.int64)[:, None]
+            t = torch.arange(L, dtype=torch.int64)[None]
+            # pad slots re-read the sequence's last token: any real row works, the gradient
+            # they send back is exactly 0 (see the class docstring)
+            idx = a + torch.minimum(t, n - 1)
+            real = t < n
+            unpad[(a + t)[real]] = (offset + torch.arange(len(lens))[:, None] * L + t)[real]
+            idx = idx.reshape(-1).to(device)
+            self.buckets.append((idx, idx, len(lens), L, L, None))
+            offset += len(lens) * L
+        # prefixed segments, by key length (prefix + own), longest first; a segment joins the
+        # bucket while the query·key work its padding adds stays under one call's cost
+        segs = sorted(((pre[s][1] + bounds[s + 1] - bounds[s], bounds[s + 1] - bounds[s], bounds[s], pre[s][0],
+                        pre[s][1]) for s in range(len(bounds) - 1) if bounds[s + 1] > bounds[s] and pre[s][1] > 0),
+                      reverse=True)
+        pgroups = []  # [[Lq, Lk, [segments]]]
+        for seg in segs:
+            kl, n = seg[0], seg[1]
+            if pgroups:
+                lq0, lk0, members = pgroups[-1]
+                lq, lk = max(lq0, n), max(lk0, kl)
+                added = (len(members) + 1) * lq * lk - len(members) * lq0 * lk0 - n * kl
+                if width * added <= _CALL_COST:
+                    pgroups[-1][0], pgroups[-1][1] = lq, lk
+                    members.append(seg)
+                    continue
+            pgroups.append([n, kl, [seg]])
+        for lq, lk, members in pgroups:
+            n = torch.tensor([m[1] for m in members], dtype=torch.int64)[:, None]
+            a = torch.tensor([m[2] for m in members], dtype=torch.int64)[:, None]
+            ps = torch.tensor([m[3] for m in members], dtype=torch.int64)[:, None]
+            pl = torch.tensor([m[4] for m in members], dtype=torch.int64)[:, None]
+            t = torch.arange(lq, dtype=torch.int64)[None]
+            j = torch.arange(lk, dtype=torch.int64)[None]
+            q_idx = a + torch.minimum(t, n - 1)
+            k_idx = torch.where(j < pl, ps + torch.minimum(j, pl - 1), a + (j - pl).clamp(0).minimum(n - 1))
+            real = t < n
+            unpad[(a + t)[real]] = (offset + torch.arange(len(members))[:, None] * lq + t)[real]
+            # query i of a row sees key j iff j <= prefix length + i (never a pad key when i is real)
+            keep = j[:, None, :] <= (pl[:, :, None] + t[:, :, None])
+            self.buckets.append((q_idx.reshape(-1).to(device), k_idx.reshape(-1).to(device), len(members), lq, lk,
+                                 keep.to(device)))
+            offset += len(members) * lq
+        self.unpad = unpad.to(device)
+        self.cu, self.version, self.device, self.width = cu, tensor_version(cu), device, width
+        self.prefix = prefix
+        self.prefix_version = tensor_version(prefix) if prefix is not None else None
+        self._bias = {}
+        self._tail = {}
+
+    def rows(self, t: int) -> torch.Tensor:
+        """The gather map from the buckets' output rows to `t` ≥ T token rows: the rows past
+        the last segment (the ladder padding of `fastgrpo.models.onednn`, which attends nothing)
+        read the zero row appended after the buckets' output."""
+        extra = t - self.unpad.numel()
+        if extra <= 0:
+            return self.unpad
+        out = self._tail.get(t)
+        if out is None:
+            zero_row = sum(n * lq for _, _, n, lq, _, _ in self.buckets)
+            out = self._tail[t] = torch.cat([self.unpad, self.unpad.new_full((extra,), zero_row)])
+        return out
+
+    def bias(self, b: int, dtype, g: int = 0, hk: int = 0) -> torch.Tensor:
+        """Additive mask (0 / -inf) of prefixed bucket `b`, built once per forward and shared by
+        every layer (so autograd keeps one copy, not one per layer): [n, 1, Lq, Lk] for SDPA
+        (g = 0), or laid out for `_short_causal_attention`'s [n·Hkv, g·Lq, Lk] scores."""
+        key = (b, dtype, g, hk)
+        out = self._bias.get(key)
+        if out is None:
+            keep = self.buckets[b][5]
+            add = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+            out = add[:, None] if g == 0 else add.repeat(1, g, 1).repeat_interleave(hk, dim=0)
+            self._bias[key] = out
+        return out
+
+
+# One SDPA call (forward + backward) costs about this many query·key·(heads × head dim)
+# products of causal attention work (see _VarlenPlan).
+_CALL_COST = 150_000
+# The last plan built: every layer of one forward (and a checkpointed recomputation) is given
+# the same `cu` tensor object, so the plan is built once per forward, not once per layer.
+_LAST_PLAN: list = [None]
+
+
+def tensor_version(t: torch.Tensor):
+    """In-place version counter of `t` (None for an inference tensor, which has none: no cache hit)."""
+    return None if t.is_inference() else t._version
+
+
+def _plan_for(cu: torch.Tensor, device, width: int, prefix: Optional[torch.Tensor] = None) -> _VarlenPlan:
+    """`width`: query heads × head dim (the attention work per query·key pair)."""
+    plan = _LAST_PLAN[0]
+    if (plan is None or plan.cu is not cu or plan.version is None or plan.version != tensor_version(cu)
+            or plan.device != device or plan.width != width or plan.prefix is not prefix
+            or (prefix is not None and (plan.prefix_version is None or plan.prefix_version != tensor_version(prefix)))):
+        plan = _LAST_PLAN[0] = _VarlenPlan(cu, device, width, prefix)
+    return plan
+
+
+# Buckets up to this length take `_short_causal_attention` on CPU instead of SDPA's flash
+# kernel. Measured forward + backward on one thread ([n, Hq, L, D] with about 2k tokens, GQA
+# 2:1): L = 38 1.54 vs 2.00 ms (D 32) and 12.0 vs 14.9 ms (8 heads, D 64); L = 128 ties; L =
+# 512 SDPA wins (11.6 vs 13.3 ms), as its tiles skip the masked half.
+_MATH_MAX_LEN = 64
+# Prefixed buckets (shared-prompt completions, explicit mask: SDPA cannot skip the masked half
+# either) take the baddbmm path up to this many keys.
+_MATH_MAX_KEYS = 256
+_CAUSAL_BIAS: dict = {}
+
+
+def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = None):
+    """Causal attention as baddbmm (scale + causal bias + QK^T) → softmax → bmm, for short
+    sequences. q [n, Hq, Lq, D], k / v [n, Hkv, Lk, D] (any strides) → [n, Hq, Lq, D]. The query
+    heads sharing a KV head are the rows of one matrix, so GQA repeats nothing. `bias`: an
+    additive mask [n·Hkv, g·Lq, Lk] (default: causal, Lq = Lk). float32 only: the scores are
+    rounded to the input dtype (the caller sends half-precision models to SDPA)."""
+    n, hq, L, d = q.shape
+    hk, Lk = k.shape[1], k.shape[2]
+    g = hq // hk
+    if bias is None:
+        key = (L, g, q.dtype, q.device)
+        bias = _CAUSAL_BIAS.get(key)
+        if bias is None:
+            bias = torch.full((L, L), float("-inf"), dtype=q.dtype, device=q.device).triu_(1).repeat(g, 1)
+            _CAUSAL_BIAS[key] = bias
+    scale = scaling if scaling is not None else d ** -0.5
+    qq = q.reshape(n * hk, g * L, d)
+    kk, vv = k.reshape(n * hk, Lk, d), v.reshape(n * hk, Lk, d)
+    att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale).softmax(-1)
+    return torch.bmm(att, vv).view(n, hq, L, d)
+
+
+def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           sliding_window=None, **kwargs):
+    """Causal SDPA per packed sequence when `cu_seq_lens_q` is given (sequences of similar
+    length batched into one padded call, see `_VarlenPlan`), else transformers' SDPA.
+    query [1, Hq, T, D], key/value [1, Hkv, T, D]; returns ([1, T, Hq, D], None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
+    if sliding_window is not None:
+        raise ValueError(f"sliding_window={sliding_window}: the CPU varlen attention does not "
+                         "implement sliding windows; use packed_forward(..., attn='mask')")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
+    _, hq, T, d = query.shape
+    plan = _plan_for(cu, query.device, hq * d, kwargs.get(PREFIX_KWARG))
+    if T != plan.unpad.numel() + kwargs.get(PAD_KWARG, 0):
+        raise ValueError(f"cu_seq_lens_q ends at token {plan.unpad.numel()} but the query has {T} rows "
+                         f"({kwargs.get(PAD_KWARG, 0)} of them ladder padding): they must agree")
+    if not plan.buckets:
+        return query.new_zeros(1, T, hq, d), None
+    p = dropout if module.training else 0.0
+    hk = key.shape[1]
+    gqa = hq != hk
+    # token-major [T, H, D] views (the projections' own layout in HF models): gathering whole
+    # rows, and index_add of whole rows in the backward, is ~20% faster than along dim 1
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    outs = []
+    for b, (q_idx, k_idx, n, Lq, Lk, keep) in enumerate(plan.buckets):
+        def pad(x, idx, L):  # [T, H, D] → [n, H, L, D] (strided: SDPA's CPU kernel takes any strides)
+            return x.index_select(0, idx).view(n, L, x.shape[1], d).transpose(1, 2)
+
+        qb, kb, vb = pad(q, q_idx, Lq), pad(k, k_idx, Lk), pad(v, k_idx, Lk)
+        # baddbmm rounds the scores to the input dtype before the softmax, SDPA keeps them in
+        # float32: half-precision models stay on SDPA
+        math_ok = p == 0.0 and query.device.type == "cpu" and query.dtype == torch.float32
+        if keep is None and Lq <= _MATH_MAX_LEN and math_ok:
+            o = _short_causal_attention(qb, kb, vb, scaling)
+        elif keep is None:
+            o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, scale=scaling,
+                                               enable_gqa=gqa)
+        elif Lk <= _MATH_MAX_KEYS and math_ok:
+            o = _short_causal_attention(qb, kb, vb, scaling, plan.bias(b, qb.dtype, hq // hk, hk))
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=plan.bias(b, qb.dtype), dropout_p=p,
+                                               scale=scaling, enable_gqa=gqa)
+        outs.append(o.transpose(1, 2).reshape(n * Lq, hq, d))
+    if T > plan.unpad.numel():  # ladder padding past the last segment: attends nothing, output 0
+        outs.append(query.new_zeros(1, hq, d))
+    flat = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return flat.index_select(0, plan.rows(T))[None], None
+
+
+def _varlen_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    return None if PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
+
+
+def _is_flash(impl: Optional[str]) -> bool:
+    return bool(impl) and impl.startswith(_FLASH_PREFIXES)
+
+
+def enable_packed_attention(model) -> str:
+    """Prepare `model` for packed forwards; returns the attention implementation it will use.
+
+    Flash-attention models are left alone (their varlen path is used). sdpa / eager models are
+    switched to "fastgrpo_varlen_sdpa" (plain SDPA unless called by `packed_forward`); any other
+    implementation raises ValueError (use `attn="mask"` for those). Called by `packed_forward`;
+    call it yourself before enabling gradient checkpointing or wrapping the model (DDP/FSDP).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    impl = model.config._attn_implementation
+    if _is_flash(impl):
+        return impl
+    if impl not in _SWITCHABLE:
+        raise ValueError(f"attn_implementation={impl!r}: packed 'varlen' attention supports flash "
+                         "attention, sdpa and eager; use packed_forward(..., attn='mask')")
+    if VARLEN_ATTN not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_ATTN, _varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_ATTN, _varlen_mask)
+    model.config._attn_implementation = VARLEN_ATTN
+    return VARLEN_ATTN
+
+
+def can_share_prefix(model) -> bool:
+    """Whether packed forwards of `model` should take the shared-prefix layout: CPU models on
+    the varlen attention (whose cost model `packed.shares_prefix` was measured on). Flash
+    attention cannot run the layout; on GPU the prefixed buckets would need a dense mask per
+    bucket that nothing here has measured, so GPU models pack unshared."""
+    hf = _unwrap(model)
+    return not _is_flash(hf.config._attn_implementation) and hf.get_input_embeddings().weight.device.type == "cpu"
+
+
+def packing_attn_coef(model) -> float:
+    """`a` of the packing cost model a·L + L² for `model` (≈ 6 · hidden size)."""
+    from fastgrpo.packing.bins import DEFAULT_ATTN_COEF
+
+    hidden = getattr(_unwrap(model).config, "hidden_size", None)
+    return 6.0 * hidden if hidden else float(DEFAULT_ATTN_COEF)
+
+
+def _check_batch(batch) -> None:
+    if not isinstance(batch, PackedBatch):
+        raise ValueError(f"batch: expected a fastgrpo.packing.bins.PackedBatch, got {type(batch).__name__}")
+
+
+def _unwrap(model):
+    """The HF model inside DDP / DeepSpeed-style wrappers (for its config and embeddings)."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+def _run(model, batch: PackedBatch, attn: str, keep: Optional[torch.Tensor], hidden: bool):
+    """One forward of the packed row through `model` itself (so a DDP / DeepSpeed wrapper's
+    hooks run), with lm_head rows restricted to `keep` (transformers' `logits_to_keep`)."""
+    _check_batch(batch)
+    if attn not in ("auto", "varlen", "mask"):
+        raise ValueError(f"attn={attn!r}: expected 'auto', 'varlen' or 'mask'")
+    hf = _unwrap(model)
+    device = hf.get_input_embeddings().weight.device
+    if keep is None:
+        keep = torch.zeros(0, dtype=torch.int64)  # no lm_head rows: the caller applies it
+    kw = dict(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
+              use_cache=False, logits_to_keep=keep.to(device), output_hidden_states=hidden)
+    shared = getattr(batch, "segment_prefix", None) is not None
+    if shared and (_is_flash(hf.config._attn_implementation) or attn == "mask"):
+        what = "flash attention" if attn != "mask" else "attn='mask'"
+        raise ValueError(f"this batch has the shared-prefix layout, which {what} cannot run: build it with "
+                         "share_prefix=False (the trainer does so for flash-attention models)")
+    if _is_flash(hf.config._attn_implementation):
+        cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
+        return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                     max_length_k=batch.max_seqlen)
+    if attn == "mask":
+        # transformers detects the restarts in position_ids and builds a block-diagonal mask
+        return model(**kw)
+    enable_packed_attention(hf)
+    cu = batch.cu_seqlens.to(torch.int64)  # read on the host by the per-sequence loop
+    t = kw["input_ids"].shape[1]
+    # (the dtype is read here, not at the swap: a model may be cast after build_model)
+    onednn = (getattr(hf, ONEDNN_ATTR, False) and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+              and hf.get_input_embeddings().weight.dtype == torch.float32)
+    tp = padded_rows(t) if onednn else t
+    if tp > t:
+        # float32 CPU linears run on oneDNN for row counts on its shape ladder (cpu_gemm): the row
+        # is padded to it with tokens past the last segment, which the varlen attention leaves
+        # out (output 0) and no caller reads (logits_to_keep < T; hidden states are cut to T)
+        kw["input_ids"] = F.pad(kw["input_ids"], (0, tp - t))
+        kw["position_ids"] = F.pad(kw["position_ids"], (0, tp - t))
+        kw[PAD_KWARG] = tp - t
+    if shared:
+        kw[PREFIX_KWARG] = batch.segment_prefix.cpu()
+    token = PACKED_CALL.set(True)
+    try:
+        return model(**kw, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                     max_length_k=batch.max_seqlen)
+    finally:
+        PACKED_CALL.reset(token)
+
+
+def packed_hidden_states(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
+    """Last hidden states (after the final norm) of every packed token: `[T, H]`."""
+    return _run(model, batch, attn, keep=None, hidden=True).hidden_states[-1][0, :batch.input_ids.numel()]
+
+
+def packed_forward(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
+    """Hidden states `[N, H]` at the positions that predict completion tokens
+    (`batch.logit_index`), in packed order: row n times the lm_head weight gives the logits of
+    `batch.targets[n]`. Feed them to a fused linear + loss kernel, or use `packed_logits`
+    (which also applies any logit post-processing of the model, e.g. soft-capping).
+
+    `model`: any HF causal LM (Qwen2, Llama, …), bare or inside a DDP / DeepSpeed wrapper (the
+    forward goes through the wrapper). `attn`: "auto" (flash varlen when the model uses flash
+    attention, else "varlen"), "varlen" or "mask" — see the module docstring.
+    """
+    h = packed_hidden_states(model, batch, attn)
+    return h[batch.logit_index.to(h.device)]
+
+
+def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The lm_head applied to `hidden` with the logit post-processing that the model's own forward
+    applies after it, so that a loss computed from `packed_forward` hidden states sees the same
+    distribution as `packed_logits`, the rollout engine and old / reference scoring: Granite's
+    `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's
+    `final_logit_softcapping` (cap·tanh(z/cap))."""
+    hf = _unwrap(model)
+    logits = hf.get_output_embeddings()(hidden)
+    cfg = hf.config
+    div = getattr(cfg, "logits_scaling", None)
+    if div not in (None, 1, 1.0):
+        logits = logits / div
+    mul = getattr(cfg, "logit_scale", None)
+    if mul not in (None, 1, 1.0):
+        logits = logits * mul
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def packed_logits(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:
+    """Logits `[N, V]` of the completion tokens only: the model's own forward with
+    `logits_to_keep=batch.logit_index`, so the lm_head runs on those N rows and nowhere else."""
+    return _run(model, batch, attn, keep=batch.logit_index, hidden=False).logits[0]
+
+
+def packed_logprobs(model, batch: PackedBatch, temperature: float = 1.0, attn: str = "auto") -> torch.Tensor:
+    """Log-probs `[N]` (float32) of `batch.targets` under `softmax(logits / temperature)`.
+
+    Convenience path: materialises `[N, V]` float32 log-softmax; the trainer's loss should take
+    `packed_forward` hidden states (fused linear loss) or `packed_logits` instead.
+    """
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r}: expected a number > 0")
+    logits = packed_logits(model, batch, attn).float() / temperature
+    targets = batch.targets.to(logits.device)
+    return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]

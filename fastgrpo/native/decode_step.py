@@ -1,0 +1,46 @@
+"""The native decode step and sampler (csrc/jit/decode_step.cpp + sampler.cpp), JIT-compiled on
+first use for this machine.
+
+`decode_step_module()` returns the compiled module, or None where it cannot be had (no C++
+compiler or ninja, a failed build, or `FASTGRPO_NATIVE_DECODE=0`); callers then take the Python
+step, which computes the same thing. The build (≈ 20 s on the 2-core machine, once) and its
+cache, lock and fallback are `fastgrpo.native.jit`'s.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from fastgrpo import env
+
+from fastgrpo.native import jit as _jit
+
+# a concurrent build takes ~20 s; past this the waiting process warns and takes the Python step
+LOCK_TIMEOUT_S = 300
+STEM = "decode_step"
+
+
+def sources():
+    """The step and the sampler, bound into one module (decode_step.cpp declares the sampler)."""
+    return [_jit.source("decode_step.cpp"), _jit.source("sampler.cpp")]
+
+
+def enabled() -> bool:
+    return env.native_decode()
+
+
+def build_dir() -> str:
+    """Where this machine's build lives (see fastgrpo.native.jit)."""
+    return _jit.build_dir(STEM, sources())
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    return _jit.build(STEM, sources(), "the native decode step", "the Python step", LOCK_TIMEOUT_S)
+
+
+def decode_step_module() -> Optional[object]:
+    """The compiled decode-step module, or None (see the module doc)."""
+    if not enabled():
+        return None
+    return _load()

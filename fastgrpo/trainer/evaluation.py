@@ -1,0 +1,52 @@
+"""Held-out evaluation: accuracy and pass@k with the rollout engine.
+
+`eval/accuracy` is the mean accuracy reward over all samples (greedy when eval.temperature = 0,
+the usual R1-style pass@1 when sampling); `eval/pass@n` is the fraction of problems with at least
+one correct sample (accuracy reward > 0) among their n = eval.num_samples samples; for each k in
+eval.pass_k (k ≤ n), `eval/pass@k` is Chen et al. (2021)'s unbiased estimator from the same n
+samples, the mean over problems of 1 − C(n − c, k) / C(n, k) with c correct samples (at k = n it
+is the plain fraction above).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+
+from fastgrpo.trainer.build import sampling_config
+from fastgrpo.config import EvalConfig, RolloutConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 − C(n−c, k)/C(n, k), computed as
+    1 − Π_{i=n−c+1..n} (1 − k/i) (no large binomials)."""
+    if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)) or not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k(n={n!r}, c={c!r}, k={k!r}): expected integers with 0 <= c <= n and 1 <= k <= n")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: RolloutConfig) -> Dict[str, float]:
+    if not problems:
+        raise ValueError("problems: the held-out split is empty (data.num_heldout = 0 or no eval_path); nothing to evaluate")
+    if "accuracy" not in reward_fns:
+        raise ValueError(f"reward_fns: evaluation needs an 'accuracy' reward, the task has {sorted(reward_fns)}")
+    problems = list(problems)[: ecfg.max_problems]
+    k = ecfg.num_samples
+    sampling = sampling_config(rcfg, temperature=ecfg.temperature, seed=1234 if ecfg.temperature > 0 else None)
+    groups = engine.generate([p.prompt for p in problems], n=k, sampling=sampling)
+    texts = [c.text for g in groups for c in g]
+    answers = [p.answer for p in problems for _ in range(k)]
+    acc = np.asarray([0.0 if v is None else float(v) for v in reward_fns["accuracy"](texts, answers)]).reshape(-1, k)
+    out = {"eval/accuracy": float(acc.mean()), f"eval/pass@{k}": float((acc.max(axis=1) > 0).mean()),
+           "eval/num_problems": float(len(problems))}
+    correct = (acc > 0).sum(axis=1)
+    for kk in getattr(ecfg, "pass_k", ()) or ():
+        if not 1 <= kk <= k:
+            raise ValueError(f"eval.pass_k: {kk} is not in [1, eval.num_samples={k}]")
+        out[f"eval/pass@{kk}"] = float(np.mean([pass_at_k(k, int(c), int(kk)) for c in correct]))
+    if "format" in reward_fns:
+        out["eval/format"] = float(np.mean([0.0 if v is None else float(v) for v in reward_fns["format"](texts, answers)]))
+    out["eval/length_mean"] = float(np.mean([len(c.token_ids) for g in groups for c in g]))
+    return out

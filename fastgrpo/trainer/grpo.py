@@ -1,0 +1,460 @@
+"""The GRPO trainer: one `step()` that orders the phases of shared/DESIGN.md and computes nothing
+itself.
+
+Algorithm: GRPO (Shao et al. 2024, DeepSeekMath) as run in DeepSeek-R1 — G sampled completions
+per prompt, verifiable rewards, group-normalised advantages, a clipped surrogate with K inner
+updates per rollout batch (old log-probs stored as a float32 array per token, never a model
+copy), a frozen reference model only when β > 0. DAPO's pieces are options: clip-higher,
+dropping zero-σ groups, dynamic sampling (resample until the batch is full of informative groups).
+
+Phases, each under an NVTX range and a `timing/<name>` timer of the same name: sample
+(curriculum) → rollout → reward → advantages → pack → old_logp (only when K > 1 or β > 0: with
+K = 1 the ratio is exactly 1 and the stored log-probs would equal the live ones; when the rollout
+engine holds weights older than the policy — sync.every > 1, between syncs — the rollout's own
+sampling log-probs are the old log-probs, packed with the batch) → update
+(packed forward → loss → backward → clip → optimizer / scheduler) → sync → checkpoint.
+
+The model and optimizer are reached only through `self.backend` (fastgrpo.trainer.backend's
+`DistributedBackend`: `forward`, `accumulate`, `step`, `module`, `optimizer`, `lr_scheduler`,
+`loss_scale`), so a DeepSpeed / DDP backend plugs in without touching the phases; rank and world
+size come from the backend, which reads them from the launcher. With several ranks (verl's
+layout) each rank rolls out its shard of the prompts, the curriculum is updated with every rank's
+results (all-gathered, so the shared-seed samplers stay identical), and the rollout batch is
+rebalanced (Karmarkar–Karp) before packing; under ZeRO-3 the weights are gathered for rollouts,
+weight sync and the reference copy, and checkpoints hold every rank's optimizer partition. Non-finite loss or gradients skip
+the optimizer step (never applied), are reported, and stop the run after
+`max_nan_skips`. A reward function that raises is reported with the prompt id and scored as
+configured (`rewards.on_error`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import time
+from types import SimpleNamespace
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from fastgrpo.advantages import compute_advantages, zero_std_groups
+from fastgrpo.config import TrainConfig
+from fastgrpo.curriculum import dynamic_sampling
+from fastgrpo.models.packed import can_share_prefix, packing_attn_coef
+from fastgrpo.packing import build_packed_batches, plan_micro_batches
+from fastgrpo.rewards.combine import score_groups
+from fastgrpo.trainer.backend import zero_weighted_loss
+from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
+                                    check_sync_sampling, sampling_config)
+from fastgrpo.trainer.collectives import all_gather, all_reduce_max, all_reduce_metrics, rebalance, shard
+from fastgrpo.trainer.metrics import MetricsLogger, Timers, rollout_metrics
+from fastgrpo.trainer.resume import CheckpointMixin
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when the run stops on purpose (too many non-finite steps)."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+
+
+class Trainer(CheckpointMixin):
+    """GRPO on one task. Everything may be injected (tests, integrations); what is not is built
+    from `cfg`."""
+
+    def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, task=None, engine=None, backend=None,
+                 curriculum=None, log=print):
+        from fastgrpo.trainer.backend import backend_from_config
+
+        self.cfg = cfg
+        self.log = log
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        seed_everything(cfg.seed)
+        if model is None:
+            model, tokenizer = build_model(cfg.model)
+        self.tokenizer = tokenizer
+        self.task = task if task is not None else build_task(cfg.data)
+        self.steps_total = cfg.steps * cfg.algorithm.inner_steps
+        if backend is None:
+            optimizer, scheduler = build_optimizer(model, cfg.optimizer, self.steps_total)
+            backend = backend_from_config(model, optimizer, scheduler, cfg.distributed, cfg.optimizer.max_grad_norm)
+        self.backend = backend
+        self.rank, self.world_size = backend.rank, backend.world_size
+        if torch.device(getattr(backend, "device", "cpu")).type == "cpu":
+            from fastgrpo.native.allocator import tune_host_allocator
+
+            tune_host_allocator()  # reused activation buffers instead of fresh, faulting pages
+        # the launcher (torchrun / deepspeed) decides the ranks; the config records them
+        cfg.distributed.rank, cfg.distributed.world_size = self.rank, self.world_size
+        cfg.distributed.local_rank = getattr(getattr(backend, "env", None), "local_rank", 0)
+        # β = 0: no reference model at all (no memory, no forward)
+        self.ref_model = None
+        if cfg.algorithm.beta > 0:
+            self.ref_model = self._build_reference().eval().requires_grad_(False)
+        self.engine = engine if engine is not None else build_rollout_engine(cfg.rollout, self.backend.module, tokenizer)
+        self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
+        self.loss_cfg = cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        self.sampling = sampling_config(cfg.rollout)
+        self.timers = Timers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+        self.metrics = MetricsLogger(cfg.logging.out_dir, cfg.logging.tensorboard, enabled=self.rank == 0)
+        self.step_num = 0
+        # the engine holds weights older than the policy (sync.every > 1, between syncs): its
+        # rollouts are then off-policy and their own sampling log-probs are the old log-probs
+        self._engine_stale = False
+        self._save_pending = False  # a periodic checkpoint due while the engine was stale
+        self.nan_skips = 0
+        self.reward_errors = 0
+        self._prompt_ids: Dict[int, List[int]] = {}
+        check_sync_sampling(cfg, shares_module=getattr(self.engine, "model", None) is self.backend.module)
+        self.reward_fns = self.task.reward_fns()
+        for name in cfg.rewards.functions:
+            if name not in self.reward_fns:
+                raise ValueError(f"config rewards.functions: {name!r} is not a reward of task "
+                                 f"{getattr(self.task, 'name', type(self.task).__name__)} (it has {sorted(self.reward_fns)})")
+
+    def _build_reference(self):
+        """A frozen copy of the policy's current weights. Under ZeRO-3 the parameters are
+        0-element partitions carrying DeepSpeed's hooks, so a deepcopy would copy neither the
+        values nor a usable module: rebuild from the config and load the gathered weights."""
+        module = self.backend.module
+        if not self._zero3():
+            return copy.deepcopy(module)
+        state = self.backend.full_state_dict()  # collective: every rank gathers
+        ref = type(module)(module.config)
+        ref.load_state_dict(state)
+        dtype = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
+        return ref.to(device=getattr(self.backend, "device", "cpu"), dtype=dtype)
+
+    def _zero3(self) -> bool:
+        return getattr(self.backend, "kind", None) == "deepspeed" and getattr(self.backend, "zero_stage", 0) == 3
+
+    def _full_weights(self):
+        """Context in which `backend.module` holds full weights: ZeRO-3 gathers its partitions
+        (collective; what verl does before generating or syncing), other backends already do."""
+        return self.backend.gathered_parameters() if self._zero3() else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ phases
+    def _rollout(self, problems):
+        with self.timers.phase("rollout"):
+            if self.cfg.rollout.sleep_between_steps:
+                self.engine.wake_up()
+            # the built-in engine runs the trainer's module itself, outside the engine's forward
+            gen = getattr(self.backend, "generation_weights", None)
+            # the engine samples from the same token ids the update trains on (one tokenizer call
+            # for the prompts not seen yet, not one per prompt inside the engine)
+            self._tokenize(problems)
+            with gen() if gen is not None else contextlib.nullcontext():
+                groups = self.engine.generate([self._prompt_ids[p.id] for p in problems],
+                                              n=self.cfg.rollout.group_size, sampling=self.sampling)
+            if self.cfg.rollout.sleep_between_steps:
+                self.engine.sleep()
+        return groups
+
+    def _score(self, problems, groups):
+        """rewards[name] [B, G], their weighted total [B, G]; `dropped` group indices (on_error=drop)."""
+        r = self.cfg.rewards
+        with self.timers.phase("reward"):
+            per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
+                                                          error_score=r.error_score, on_error=r.on_error)
+        for msg in errors:
+            self.log(f"[fastgrpo] reward error: {msg}")
+        self.reward_errors += len(errors)
+        return per_fn, total, dropped
+
+    def _advantages(self, problems, per_fn, total, dropped):
+        cfg = self.cfg
+        with self.timers.phase("advantages"):
+            B, G = total.shape
+            flat = torch.as_tensor(total, dtype=torch.float32).reshape(-1)
+            adv = compute_advantages(flat, G, estimator=cfg.algorithm.estimator, scale=cfg.algorithm.adv_std)
+            adv = adv.reshape(B, G)
+            zero_std = zero_std_groups(flat, G).numpy()
+            keep = np.ones(B, dtype=bool)
+            if cfg.algorithm.drop_zero_std:
+                keep &= ~zero_std
+            keep[list(dropped)] = False
+            acc = per_fn.get("accuracy", (total > 0).astype(np.float64))
+            # every rank scored only its shard: update with all ranks' results (in rank order)
+            # so the shared-seed samplers draw the same prompts on every rank next step
+            mine = ([p.id for p in problems for _ in range(G)], acc.reshape(-1).tolist())
+            every = all_gather(mine)
+            self.curriculum.update([i for r_ids, _ in every for i in r_ids], [a for _, r_acc in every for a in r_acc])
+        return total, adv, keep, zero_std
+
+    def _tokenize(self, problems) -> None:
+        """Token ids of every prompt not seen yet into `_prompt_ids`, in one tokenizer call (a call
+        per prompt cost ~0.1 ms each)."""
+        new = list({p.id: p.prompt for p in problems if p.id not in self._prompt_ids}.items())
+        if new:
+            toks = self.tokenizer([text for _, text in new], add_special_tokens=False)["input_ids"]
+            self._prompt_ids.update(zip((i for i, _ in new), toks))
+
+    def _pack(self, problems, groups, adv, keep):
+        with self.timers.phase("pack"):
+            # rollouts of an engine behind the policy: their sampling log-probs are the behaviour
+            # policy's, so they are the loss's old log-probs (importance ratio ≠ 1 from the first
+            # inner step); otherwise the old log-probs are the policy's own (K = 1: the detached
+            # current ones; K > 1: scored before the first update)
+            stale = self._engine_stale
+            self._tokenize(problems)  # done by _rollout already, unless a caller packs other problems
+            adv_rows = adv.tolist()  # Python floats once, not a tensor index per completion
+            prompts, comps, advs, ids, cmask, olps = [], [], [], [], [], []
+            for i, (p, grp) in enumerate(zip(problems, groups)):
+                if not keep[i]:
+                    continue
+                pid = self._prompt_ids[p.id]
+                prompts += [pid] * len(grp)
+                advs += adv_rows[i]
+                for j, c in enumerate(grp):
+                    comps.append(c.token_ids)
+                    ids.append((p.id, j))
+                    cmask.append(c.sampled_mask)  # 0/1: forced tokens carry no gradient
+                    olps.append(c.logprobs if stale else None)
+            lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
+            if self.world_size > 1:
+                # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
+                # without it the rank holding the longest groups sets everyone's step time
+                recs = rebalance(list(zip(prompts, comps, advs, ids, cmask, olps)), lengths)
+                prompts, comps, advs, ids, cmask, olps = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [], [])
+                lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
+            budget = self.cfg.packing.max_tokens
+            share = self._share_prefix()
+            # a sequence over the budget gets a micro-batch of its own instead of failing the step;
+            # with shared prefixes whole groups go to one micro-batch (their prompt is then carried
+            # once); every rank runs the same number of micro-batches (`agree`: the max over ranks)
+            plan = plan_micro_batches(lengths, budget, allow_oversize=True, agree=all_reduce_max,
+                                      groups=[key[0] for key in ids] if share else None)
+            batches = build_packed_batches(prompts, comps, advs, budget, completion_mask=cmask, ids=ids,
+                                           old_logp=olps if stale else None, allow_oversize=True,
+                                           share_prefix=share, attn_coef=packing_attn_coef(self.backend.module),
+                                           plan=plan)
+            # this rank has fewer sequences than its peers: zero-weighted dummies keep collectives aligned
+            batches += [None] * sum(1 for b in plan if not b)
+        return batches
+
+    def _share_prefix(self) -> bool:
+        return bool(self.cfg.packing.share_prefix) and can_share_prefix(self.backend.module)
+
+    @torch.no_grad()
+    def _logprobs_of(self, model, batch):
+        from fastgrpo.loss import token_logprobs
+        from fastgrpo.models.packed import packed_logits
+
+        logits = packed_logits(model, batch)
+        logp, _ = token_logprobs(logits, batch.targets.to(logits.device), self.loss_cfg.temperature,
+                                 impl=self.cfg.algorithm.loss_impl)
+        return logp.float().cpu()
+
+    def _old_logp(self, batches):
+        need_old = self.cfg.algorithm.inner_steps > 1
+        with self.timers.phase("old_logp"):
+            model = self.backend.module
+            was = model.training
+            model.eval()
+            for b in batches:
+                if b is None:
+                    continue
+                if b.old_logp is not None:
+                    pass  # the rollout's own log-probs (an engine behind the policy, see _pack)
+                elif need_old and self._zero3():  # inside the engine's forward ZeRO-3 gathers layer by layer
+                    b.old_logp = self.backend.forward(self._logprobs_of, b)
+                elif need_old:
+                    b.old_logp = self._logprobs_of(model, b)
+                if self.ref_model is not None:
+                    b.ref_logp = self._logprobs_of(self.ref_model, b)
+            model.train(was)
+
+    def _loss_fn(self, totals):
+        from fastgrpo.loss import grpo_loss
+        from fastgrpo.models.packed import lm_head_logits, packed_forward
+
+        cfg = self.cfg
+        state = self._update_state
+
+        def fn(model, b):
+            dev = model.get_input_embeddings().weight.device
+            b = b.to(dev)
+            hidden = packed_forward(model, b)
+            if not bool(torch.isfinite(hidden).all()):
+                state.nonfinite = True
+                return zero_weighted_loss(model, hidden)
+            logits = lm_head_logits(model, hidden)  # the same logits as the model's forward (old / ref log-probs)
+            token_mean = self.loss_cfg.loss_agg == "token-mean"
+            try:
+                out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
+                                ref_logp=b.ref_logp, cu_seqlens=b.loss_cu_seqlens, config=self.loss_cfg,
+                                num_items=totals["tokens"] if token_mean else None, impl=cfg.algorithm.loss_impl,
+                                return_entropy=True, inplace_backward=True)  # logits are not read again
+            except ValueError as e:  # the loss's own finiteness check (non-finite logits rows)
+                if "NaN or Inf" not in str(e):
+                    raise
+                state.nonfinite = True
+                return logits[..., :1, :].float().sum() * 0.0  # on the graph built: see zero_weighted_loss
+            # token-mean is normalised by the global token count already; per-sequence means are
+            # per micro-batch, so weight each by its share of the global sequences
+            scale = self.backend.loss_scale * (1.0 if token_mean else b.num_seqs / totals["seqs"])
+            loss = out.loss * scale
+            if not bool(torch.isfinite(loss)):
+                state.nonfinite = True
+                return loss * 0.0
+            w = float(b.loss_mask.sum())
+            state.tokens += w
+            state.loss += float(out.loss.detach()) * scale / self.backend.loss_scale  # this rank's share of the batch loss
+            for k, v in out.metrics.items():
+                if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min / max, not by mean
+                    pick = min if k.endswith("_min") else max
+                    state.extremes[k] = pick(state.extremes.get(k, float(v)), float(v))
+                else:
+                    state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
+            return loss
+
+        return fn
+
+    def _grads_finite(self) -> bool:
+        """This rank's share of the gradients is finite (no collective: the caller max-reduces).
+        The backend knows where its gradients live (ZeRO: partitions, `p.grad` is None)."""
+        if hasattr(self.backend, "local_grads_finite"):
+            return self.backend.local_grads_finite()
+        for p in self.backend.module.parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return False
+        return True
+
+    def _update(self, batches):
+        local = {"tokens": sum(b.num_loss_tokens for b in batches if b is not None),
+                 "seqs": sum(b.num_seqs for b in batches if b is not None)}
+        totals = all_reduce_metrics(local, op="sum")
+        totals["tokens"] = max(totals["tokens"], 1.0)
+        totals["seqs"] = max(totals["seqs"], 1.0)
+        logs = {}
+        with self.timers.phase("update"):
+            if not batches:  # every group had σ = 0 on every rank: nothing to learn from this batch
+                return {"train/no_update": 1.0}
+            self.backend.module.train()
+            for _ in range(self.cfg.algorithm.inner_steps):
+                self._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={}, extremes={})
+                self.backend.accumulate(batches, self._loss_fn(totals))
+                st = self._update_state
+                bad = all_reduce_metrics({"bad": float(st.nonfinite or not self._grads_finite())}, op="max")["bad"]
+                if bad:
+                    self.backend.discard_gradients()  # under ZeRO the reduced grads live in DeepSpeed's buffers
+                else:
+                    logs["train/grad_norm"] = self.backend.step()
+                    # finite gradients whose global norm overflowed: step() refused to apply them
+                    bad = bool(getattr(self.backend, "last_step_skipped", False))
+                if bad:
+                    self.nan_skips += 1
+                    logs["train/skipped"] = 1.0
+                    self.log(f"[fastgrpo] step {self.step_num}: non-finite loss or gradient, update skipped "
+                             f"({self.nan_skips}/{self.cfg.max_nan_skips})")
+                    break
+                n = max(st.tokens, 1.0)
+                logs["train/loss"] = st.loss
+                logs.update({f"loss/{k}": v / n for k, v in st.sums.items()})
+                logs.update({f"loss/{k}": v for k, v in st.extremes.items()})
+        return logs
+
+    def sync_engine(self) -> None:
+        """Bring an engine that is behind the policy (sync.every > 1) up to date now, e.g.
+        before a held-out evaluation."""
+        if self._engine_stale:
+            with self._full_weights():
+                self.engine.update_weights(self.backend.module)
+            self._engine_stale = False
+
+    def _sync(self):
+        with self.timers.phase("sync"):
+            if getattr(self.engine, "model", None) is self.backend.module:
+                return  # the built-in engine samples from the trainer's own module: nothing to copy
+            if self.step_num % self.cfg.sync.every == 0:
+                with self._full_weights():
+                    self.engine.update_weights(self.backend.module)
+                self._engine_stale = False
+            else:
+                self._engine_stale = True
+
+    # ------------------------------------------------------------------ the step
+    def _round(self, n: int) -> SimpleNamespace:
+        """One sampling round of `n` prompts (this rank's shard of them): sample → rollout →
+        reward → advantages."""
+        with self.timers.phase("sample"):
+            problems = self.curriculum.sample(n)
+            if self.world_size > 1:  # every rank draws the same list (same seed): each keeps its shard
+                problems = shard(problems) or problems[:1]
+        groups = self._rollout(problems)
+        per_fn, total, dropped = self._score(problems, groups)
+        total, adv, keep, zero_std = self._advantages(problems, per_fn, total, dropped)
+        return SimpleNamespace(problems=problems, groups=groups, per_fn=per_fn, total=total, adv=adv, keep=keep,
+                               zero_std=zero_std)
+
+    def step(self) -> Dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.step_num += 1
+        # DAPO dynamic sampling: more rounds until the batch holds prompts_per_step informative
+        # groups over all ranks, at most algorithm.dynamic_max_rounds; one round without it
+        sampled = dynamic_sampling(
+            self._round, cfg.rollout.prompts_per_step, kept_of=lambda r: int(r.keep.sum()),
+            size_of=lambda r: len(r.problems),
+            max_tries=cfg.algorithm.dynamic_max_rounds if cfg.algorithm.dynamic_sampling else 1,
+            agree=lambda n: int(all_reduce_metrics({"n": float(n)}, op="sum")["n"]))
+        rounds = sampled.rounds
+        problems = [p for r in rounds for p in r.problems]
+        groups = [g for r in rounds for g in r.groups]
+        per_fn = {k: np.concatenate([r.per_fn[k] for r in rounds]) for k in rounds[0].per_fn}
+        total, adv, keep, zero_std = (np.concatenate([getattr(r, f) for r in rounds])
+                                      for f in ("total", "adv", "keep", "zero_std"))
+        batches = self._pack(problems, groups, adv, keep)
+        self._old_logp(batches)
+        logs = self._update(batches)
+        self._sync()
+        if self.nan_skips >= cfg.max_nan_skips:
+            raise TrainingStopped(f"stopped at step {self.step_num}: {self.nan_skips} updates skipped for non-finite "
+                                  f"loss or gradients (max_nan_skips={cfg.max_nan_skips})")
+        logs.update(rollout_metrics(per_fn, total, zero_std, groups))
+        logs["train/lr"] = self.backend.optimizer.param_groups[0]["lr"]
+        logs["train/nan_skips"] = self.nan_skips
+        logs["train/reward_errors"] = self.reward_errors
+        if hasattr(self.curriculum, "metrics"):
+            logs.update(self.curriculum.metrics())
+        if cfg.algorithm.dynamic_sampling:
+            logs.update(sampled.metrics())
+        if cfg.checkpoint.every and self.step_num % cfg.checkpoint.every == 0:
+            self._save_pending = True
+        # a checkpoint waits for a step whose engine holds the policy's weights (sync.every > 1):
+        # a resumed run then samples from the same weights as an uninterrupted one
+        if self._save_pending and not self._engine_stale:
+            self.save()
+            self._save_pending = False
+        logs.update(self.timers.pop())
+        dt = time.perf_counter() - t0
+        logs["timing/step"] = dt
+        tokens = sum(len(self._prompt_ids[p.id]) * len(g) + sum(len(c.token_ids) for c in g)
+                     for p, g in zip(problems, groups))
+        # tokens/s of the whole step: prompt + completion tokens of every rollout sequence
+        logs["perf/throughput"] = tokens / dt if dt > 0 else 0.0
+        if self.step_num % cfg.logging.log_every == 0:
+            self.metrics.log(self.step_num, logs)
+        return logs
+
+    # ------------------------------------------------------------------ run / state
+    def train(self, progress=None, on_step=None) -> Dict[str, float]:
+        """Run steps until cfg.steps; checkpoint at the end. Returns the last step's metrics."""
+        last: Dict[str, float] = {}
+        while self.step_num < self.cfg.steps:
+            last = self.step()
+            if on_step is not None:
+                on_step(self.step_num, last)
+        if self.cfg.checkpoint.at_end and self.step_num > 0:
+            self.save()
+        return last
+
+    def close(self) -> None:
+        self.metrics.close()
+        if getattr(self.engine, "model", None) is not self.backend.module:
+            self.engine.close()

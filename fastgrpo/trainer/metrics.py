@@ -1,0 +1,235 @@
+"""Phase timers, NVTX ranges and the run folder's metrics (metrics.jsonl, TensorBoard, PNG plots).
+
+Each trainer phase runs under `phase("rollout")`, which opens an NVTX range named `rollout`
+(visible in Nsight Systems when NVTX is on: `--nvtx` or FASTGRPO_NVTX=1) and records its wall
+time as `timing/rollout`, so a profile and the metrics use the same names. NVTX comes from the
+`nvtx` package (NVIDIA's Python bindings, a no-op without a profiler attached); when it is absent
+torch.cuda.nvtx is used on GPU machines. Metrics rows go to `metrics.jsonl` (one JSON object per
+line, flushed per row so that a killed run keeps every finished step), to TensorBoard through
+torch.utils.tensorboard when tensorboard is importable, and to PNG plots drawn at the end with
+matplotlib's Agg backend (no display needed).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from typing import Dict, Iterable, List, Optional
+
+from fastgrpo import env
+
+_NVTX_FORCED: Optional[bool] = None
+
+
+def set_nvtx(enabled: Optional[bool]) -> None:
+    """Force NVTX on/off for this process (the CLI's --nvtx); None defers to FASTGRPO_NVTX."""
+    global _NVTX_FORCED
+    _NVTX_FORCED = enabled
+
+
+def nvtx_on() -> bool:
+    return env.nvtx_enabled() if _NVTX_FORCED is None else _NVTX_FORCED
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX range `name` when NVTX is on; nothing otherwise (zero cost in the hot loop)."""
+    if not nvtx_on():
+        yield
+        return
+    try:
+        import nvtx  # NVIDIA's bindings: push/pop even without CUDA (no-op without a profiler)
+
+        with nvtx.annotate(name, domain="fastgrpo"):
+            yield
+        return
+    except ImportError:
+        pass
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+    else:
+        yield
+
+
+class Timers:
+    """Accumulated wall seconds per phase within one step (`timing/<phase>`)."""
+
+    def __init__(self, sync=None):
+        self.sync = sync  # e.g. torch.cuda.synchronize so GPU work lands in its own phase
+        self.times: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        with nvtx_range(name):
+            if self.sync:
+                self.sync()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.sync:
+                    self.sync()
+                key = f"timing/{name}"
+                self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> Dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+def _clean(v):
+    """JSON-safe scalar: tensors → float, NaN/Inf → None (json has no NaN)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return v if (isinstance(v, int) or math.isfinite(v)) else None
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class MetricsLogger:
+    """metrics.jsonl (+ TensorBoard events) in `out_dir`. Only rank 0 writes."""
+
+    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True):
+        self.out_dir = out_dir
+        self.enabled = enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self._f = open(self.path, "a")
+        if tensorboard:
+            try:
+                import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(out_dir, "tb"))
+            except ImportError:
+                self._tb = None
+
+    def log(self, step: int, metrics: Dict[str, object]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "time": time.time()}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str) -> List[Dict[str, object]]:
+    """Rows of a metrics.jsonl; a torn last line (run killed mid-write) is skipped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+# (file name, title, metric keys drawn on it)
+PLOTS = (
+    ("reward.png", "reward", ("reward/mean", "reward/accuracy/mean", "reward/format/mean")),
+    ("accuracy.png", "accuracy", ("train/accuracy", "eval/accuracy")),
+    ("length.png", "completion length", ("completion/length_mean", "completion/length_max")),
+    # KL exists only when β > 0 (no reference model otherwise); the policy entropy is always drawn
+    ("kl.png", "KL to reference (β > 0) and policy entropy", ("loss/kl_mean", "loss/entropy_mean")),
+)
+
+
+def make_plots(out_dir: str, plots: Iterable = PLOTS) -> List[str]:
+    """PNG per plot in out_dir/plots from metrics.jsonl; returns the files written. A metric
+    logged twice for one step (a resumed run re-doing steps) keeps its last value."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    try:
+        import matplotlib
+    except ImportError:  # plots are optional (the dev extra); metrics.jsonl and events remain
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(path)
+    os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
+    written = []
+    for fname, title, keys in plots:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drawn = False
+        for key in keys:
+            pts = {}
+            for r in rows:
+                if r.get(key) is not None:
+                    pts[r["step"]] = r[key]
+            if pts:
+                xs = sorted(pts)
+                ax.plot(xs, [pts[x] for x in xs], marker="o" if len(xs) < 20 else None, label=key)
+                drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        fig.tight_layout()
+        out = os.path.join(out_dir, "plots", fname)
+        fig.savefig(out, dpi=80)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def rollout_metrics(per_fn: Dict[str, object], total, zero_std, groups) -> Dict[str, object]:
+    """Reward mean/std (total and per reward function, each [prompts, G]), accuracy, completion
+    length mean/max and truncation rate, the fraction of zero-σ groups, and the pass-rate
+    histogram (how many prompts had k of G completions correct, k = 0..G); averaged over ranks
+    (length max: max over ranks). Collective under several ranks."""
+    import numpy as np
+
+    from fastgrpo.trainer.collectives import all_reduce_metrics
+
+    out = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
+    for name, r in per_fn.items():
+        out[f"reward/{name}/mean"] = float(r.mean())
+        out[f"reward/{name}/std"] = float(r.std())
+    # plain Python over the completions: exact integer sums over n give the same floats as
+    # np.mean, without building three arrays a step
+    lens = [len(c.token_ids) for g in groups for c in g]
+    out["completion/length_mean"] = sum(lens) / len(lens)
+    out["completion/length_max"] = float(max(lens))
+    out["completion/truncation_rate"] = sum(c.finish_reason == "length" for g in groups for c in g) / len(lens)
+    out["train/zero_std_frac"] = float(zero_std.mean())
+    if "accuracy" in per_fn:
+        out["train/accuracy"] = float(per_fn["accuracy"].mean())
+    out = all_reduce_metrics(out, op="mean", ops={"completion/length_max": "max"})
+    if "accuracy" in per_fn:
+        g = per_fn["accuracy"].shape[1]
+        k = np.rint(per_fn["accuracy"].mean(axis=1) * g).astype(int)
+        out["train/pass_rate_hist"] = np.bincount(np.clip(k, 0, g), minlength=g + 1).tolist()
+    return out

@@ -1,0 +1,96 @@
+"""Checkpoint and resume of `fastgrpo.trainer.grpo.Trainer` (a mixin: the methods read and set the
+trainer's state). Files are written by `fastgrpo.trainer.checkpoint` (atomic temp directory + rename);
+with several ranks every rank adds its own RNG state, and under DeepSpeed its optimizer
+partition, into rank 0's temp directory before the rename.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from fastgrpo.trainer import checkpoint as ckpt
+
+
+class CheckpointMixin:
+    def save(self) -> Optional[str]:
+        """Checkpoint (collective). Rank 0 writes the model, curriculum and extras; with several
+        ranks every rank also writes its RNG state (and, under DeepSpeed, its optimizer
+        partition) into rank 0's temp directory before the atomic rename (fastgrpo/trainer/checkpoint.py).
+        Returns the path on rank 0."""
+        from fastgrpo.trainer.collectives import all_gather
+        from fastgrpo.trainer.backend import barrier
+
+        with self.timers.phase("checkpoint"):
+            ds = self.backend.kind == "deepspeed"
+            multi = ds or self.world_size > 1
+            state = self.backend.full_state_dict() if ds else None
+
+            def shards(tmp: str) -> None:  # every rank, into rank 0's temp directory
+                barrier()  # rank 0 has created the temp directory
+                if ds:
+                    self.backend.save_checkpoint(os.path.join(tmp, "engine"))
+                torch.save(ckpt.rng_state(), os.path.join(tmp, f"rng-rank{self.rank}.pt"))
+                barrier()  # rank 0 fsyncs and renames only after every rank has written
+
+            tmp = None
+            if multi:
+                tmp = all_gather(ckpt.begin_path(self.cfg.logging.out_dir, self.step_num) if self.rank == 0 else None)[0]
+                if self.rank != 0:
+                    shards(tmp)
+                    barrier()  # rank 0 renamed: the checkpoint is complete for everyone
+                    return None
+            # under DeepSpeed the optimizer / scheduler state is in engine/ (partitioned), not state.pt
+            path = ckpt.save_checkpoint(self.cfg.logging.out_dir, self.step_num, self.backend.module,
+                                        None if ds else self.backend.optimizer,
+                                        None if ds else self.backend.lr_scheduler, self.curriculum,
+                                        tokenizer=self.tokenizer,
+                                        extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors,
+                                               "engine_stale": bool(self._engine_stale)},
+                                        keep_last=self.cfg.checkpoint.keep_last, model_state=state,
+                                        shards=shards if multi else None, tmp=tmp)
+            if multi:
+                barrier()
+            return path
+
+    def resume(self, path: str) -> int:
+        ds = self.backend.kind == "deepspeed"
+        if ds and not os.path.isdir(os.path.join(path, "engine")):
+            raise ValueError(f"checkpoint {path!r}: no engine/ folder (it was not saved under distributed.backend="
+                             "deepspeed); expected a checkpoint written by a DeepSpeed run")
+        # under DeepSpeed the engine restores weights (ZeRO-3: partitions), optimizer and scheduler
+        state = ckpt.load_checkpoint(path, None if ds else self.backend.module,
+                                     None if ds else self.backend.optimizer,
+                                     None if ds else self.backend.lr_scheduler, self.curriculum)
+        if ds:
+            self.backend.load_checkpoint(os.path.join(path, "engine"))
+        mine = os.path.join(path, f"rng-rank{self.rank}.pt")
+        if os.path.exists(mine):  # each rank's own RNG stream (state.pt holds rank 0's)
+            ckpt.set_rng_state(torch.load(mine, map_location="cpu", weights_only=False))
+        self.step_num = int(state["step"])
+        self.nan_skips = int(state["extra"].get("nan_skips", 0))
+        self.reward_errors = int(state["extra"].get("reward_errors", 0))
+        if getattr(self.engine, "model", None) is not self.backend.module:
+            with self._full_weights():
+                self.engine.update_weights(self.backend.module)
+            if state["extra"].get("engine_stale"):
+                # saved explicitly (save() / the end of a run) between two syncs: the engine of the
+                # saved run held older weights than it gets now. Periodic checkpoints wait for a
+                # synced step, so resuming from one of those continues exactly.
+                self.log(f"resume {path}: saved while the rollout engine was behind the policy "
+                         f"(sync.every={self.cfg.sync.every}); the engine now gets the checkpoint's weights, "
+                         "so rollouts until the next sync differ from the uninterrupted run's")
+        self._engine_stale = False
+        self._save_pending = False
+        return self.step_num
+
+    def maybe_resume(self) -> Optional[str]:
+        mode = self.cfg.checkpoint.resume
+        if mode == "none":
+            return None
+        path = ckpt.latest_checkpoint(self.cfg.logging.out_dir) if mode == "auto" else mode
+        if path is None:
+            return None
+        self.resume(path)
+        return path

@@ -1,0 +1,90 @@
+"""Triton token log-probs (and entropy) of packed logits, no grad: the scorer of old, reference
+and rollout policies, and the forward pass of the fused GRPO loss (`grpo_loss.py` reuses the
+launcher below, which also returns the per-row log-sum-exp its backward needs).
+
+One read of the logits: each program owns BLOCK_N rows and walks the vocabulary in BLOCK_V
+blocks with the online log-sum-exp of Milakov & Gimelshein (2018) in fp32 (fp64 for fp64
+input), the entropy as a second running sum, and the target logit by one gathered load per row.
+NaN / +Inf need no extra pass: either makes the row's log-sum-exp, hence its logp, non-finite,
+which the facade (`fastgrpo.loss`) turns into the same ValueError as for the torch path. −Inf
+logits (e.g. a masked-out vocabulary slot) are valid, probability 0, as in the oracle.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fastgrpo.kernels.triton._common import (
+    autotuned, grid_rows, load_scale, online_lse_update, row_major_logits, row_tile, split_inv_temp)
+
+
+@autotuned()
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    logits_ptr,  # [N, V] logits, row stride stride_n, unit column stride
+    targets_ptr,  # [N] int target ids
+    logp_ptr,  # [N] out: z[y]/τ − lse
+    lse_ptr,  # [N] out: logsumexp(z/τ) (non-finite on rows holding NaN/+Inf)
+    ent_ptr,  # [N] out: entropy of softmax(z/τ) (written when HAS_ENT)
+    stride_n,  # row stride of logits, in elements
+    n_rows,  # N
+    n_cols,  # V
+    inv_temp,  # 1/τ (fp32 part), runtime so that a new temperature does not recompile
+    inv_temp_lo,  # 1/τ − inv_temp, the fp32 remainder used by the fp64 path
+    HAS_ENT: tl.constexpr,  # write the entropy
+    FP64: tl.constexpr,  # accumulate in fp64 (fp64 logits) instead of fp32
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_V: tl.constexpr,  # vocabulary columns per step
+):
+    acc_t = tl.float64 if FP64 else tl.float32
+    scale = load_scale(inv_temp, inv_temp_lo, FP64)
+    pid = tl.program_id(0)
+    rows, row_ok, rows_c = row_tile(pid, n_rows, BLOCK_N)
+    row_ptr = logits_ptr + rows_c * stride_n
+    m = tl.full([BLOCK_N], float("-inf"), acc_t)
+    s = tl.zeros([BLOCK_N], acc_t)
+    t = tl.zeros([BLOCK_N], acc_t)
+    for v0 in range(0, n_cols, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = (cols < n_cols)[None, :]
+        x = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok, other=float("-inf")).to(acc_t) * scale
+        m, s, t = online_lse_update(x, m, s, t, HAS_ENT)
+    lse = m + tl.log(s)
+    tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
+    xt = tl.load(logits_ptr + rows_c * stride_n + tgt).to(acc_t) * scale
+    tl.store(logp_ptr + rows, xt - lse, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if HAS_ENT:
+        tl.store(ent_ptr + rows, tl.log(s) - t / s, mask=row_ok)
+
+
+def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                       need_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launcher: (logp, lse, entropy | None), each [N] fp32 (fp64 for fp64 logits). Takes any
+    row stride; a non-unit column stride is copied once (see `row_major_logits`)."""
+    logits = row_major_logits(logits)
+    n, v = logits.shape
+    out_t = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.empty(n, dtype=out_t, device=logits.device)
+    lse = torch.empty(n, dtype=out_t, device=logits.device)
+    ent = torch.empty(n, dtype=out_t, device=logits.device) if need_entropy else lse
+    if n == 0:
+        return logp, lse, (ent if need_entropy else None)
+    _token_logprobs_fwd_kernel[grid_rows(n)](
+        logits, targets.contiguous(), logp, lse, ent,
+        logits.stride(0), n, v, *split_inv_temp(temperature),
+        HAS_ENT=need_entropy, FP64=logits.dtype == torch.float64,
+    )
+    return logp, lse, (ent if need_entropy else None)
+
+
+def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                          return_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """No-grad (logp [N], entropy [N] | None) at temperature τ; input validated by the facade,
+    which also checks the result is finite."""
+    with torch.no_grad():
+        logp, _, ent = token_logprobs_fwd(logits, targets, temperature, return_entropy)
+    return logp, ent
