@@ -1,12 +1,14 @@
-"""Public GRPO loss API: `grpo_loss`, `token_logprobs`, `fused_linear_grpo_loss`, `trl_loss_config`.
+"""Public GRPO loss API: `grpo_loss`, `token_logprobs`, `fused_linear_grpo_loss` (+ `FusedLinearGRPOLoss`).
 
 A facade with no math of its own (house style): it validates the inputs against the loss contract
-of shared/DESIGN.md (`kernels.common` checks), picks a backend and checks the result is finite.
+of shared/DESIGN.md (`kernels.contract` checks), picks a backend and checks the result is finite.
 
 Backends share one keyword signature so that they are interchangeable:
   "reference" → kernels.reference.grpo_loss_reference   (float64-capable oracle, materialises N×V)
-  "torch"     → kernels.torch_loss.grpo_loss_torch       (vocabulary-streaming CPU path)
-  "triton"    → kernels.grpo_loss.grpo_loss_triton       (fused GPU kernels)
+  "torch"     → kernels.cpu_stream.grpo_loss_torch       (vocabulary-streaming CPU path)
+  "triton"    → kernels.triton.grpo_loss.grpo_loss_triton (fused GPU kernels)
+The fused lm_head path has one chunked algorithm (kernels.fused_linear.fused_linear_loss) whose
+per-chunk kernels are the "torch" or "triton" backend.
   "auto"      → "triton" for CUDA tensors when Triton imports, "torch" otherwise.
 
 NaN/Inf logits are detected from the per-token log-probs every backend returns (O(N), no extra

@@ -9,7 +9,7 @@ weights a_t of `common.aggregation_weights`, the loss Σ a_t·ℓ_t and the metr
 `objective_coefficients` returns the loss together with the per-token coefficients
 g_t = ∂loss/∂logp_t and h_t = ∂loss/∂H_t, which is all a vocabulary-streaming backward needs:
 ∂loss/∂z_tj = (g_t·(onehot(y_t)_j − p_tj) − h_t·p_tj·(log p_tj + H_t)) / τ.
-The CPU path (`torch_loss.py`) uses the differentiable `objective_loss` inside autograd; a Triton
+The CPU path (`cpu_stream.py`) uses the differentiable `objective_loss` inside autograd; a Triton
 backend can call `objective_coefficients` between its statistics pass and its gradient pass.
 
 Departure from the oracle (`reference.py`), by design: positions with mask 0 may carry garbage

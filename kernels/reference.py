@@ -1,7 +1,7 @@
 """The oracle: every quantity of the GRPO loss contract (shared/DESIGN.md) in plain torch.
 
 Written for clarity, not speed: it materialises log_softmax over [N, V] and lets autograd
-produce the gradients. Every other backend (the CPU streaming path in `torch_loss.py`, the
+produce the gradients. Every other backend (the CPU streaming path in `cpu_stream.py`, the
 Triton kernels) is tested against it in float64. Follows DeepSeekMath's GRPO objective with
 the variants named in the contract: DAPO clip-higher (ε_low ≠ ε_high), the δ cap of TRL's
 `delta`, dual clip (Ye et al. 2020), k1/k2/k3 KL (Schulman's estimators), GSPO's sequence-level

@@ -86,7 +86,8 @@ def test_reference_num_items_and_metrics():
     out = grpo_loss_reference(inp["logits"], inp["targets"], inp["advantages"], mask=inp["mask"],
                               old_logp=inp["old_logp"], ref_logp=inp["ref_logp"], weights=inp["weights"],
                               cu_seqlens=inp["cu_seqlens"], config=cfg, num_items=50)
-    check_vs_truth("loss", out.loss, None, torch.tensor(_contract(inp, cfg, num_items=50)[0], dtype=torch.float64), torch.float64)
+    want = torch.tensor(_contract(inp, cfg, num_items=50)[0], dtype=torch.float64)
+    check_vs_truth("loss", out.loss, None, want, torch.float64)
     on = inp["mask"] != 0
     r = torch.exp(out.logp - inp["old_logp"])[on]
     a = inp["advantages"][on]
