@@ -1,5 +1,5 @@
 // One decode step of a Qwen2 / Qwen3 / Llama decoder, float32 on CPU: the native twin of
-// fastgrpo/rollout/_decode.py's LeanStepper.step (same math, same weights, same mask).
+// fastgrpo/rollout/decoders.py's LeanStepper.step (same math, same weights, same mask).
 //
 // Why: at the built-in engine's sizes (hidden 64–128, a few dozen rows) a decode step from
 // Python is ~45 small ATen calls, each costing more in dispatch, allocation and interpreter time
@@ -21,7 +21,7 @@
 // is bound into this module; the polynomial exp is ../native_math.h's.
 // The same step serves LeanStepper.native_prefill (the prompt fed a position at a time): there a
 // left-pad query sees no key, and attends to nothing (output 0) instead of producing NaNs.
-// JIT-compiled by fastgrpo/rollout/_native.py (torch.utils.cpp_extension) on first use; the
+// JIT-compiled by fastgrpo/rollout/fastgrpo/native/decode_step.py (torch.utils.cpp_extension) on first use; the
 // Python step is the fallback and the reference (tests compare the two). The math follows
 // transformers' modeling_qwen2 / modeling_qwen3 / modeling_llama as the Python step does; it departs only in
 // float32 rounding: summation order (GEMMs accumulate over k in order, dot products in SIMD

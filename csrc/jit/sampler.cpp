@@ -1,5 +1,5 @@
 // The built-in engine's per-step sampling as one pass per row (LeanStepper's native sampler,
-// bound into the lean_step module next to the decode step; see rollout/_decode.py): the draw,
+// bound into the lean_step module next to the decode step; see rollout/decoders.py): the draw,
 // the log-prob of the drawn token, the stop-token check and the bookkeeping writes that were
 // ~15 ATen calls a step in torch_engine.py.
 #include <torch/extension.h>

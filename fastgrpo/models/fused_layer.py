@@ -34,7 +34,7 @@ keep the model's own layers everywhere. The backward is once-differentiable: a d
 (`create_graph=True`) through a fused layer raises an error.
 
 Departures from the model's own layer, all float32 rounding: sums in another order, e^x by a
-polynomial within 2 ulp (`tests/test_fused_layer.py` compares outputs and every gradient to the
+polynomial within 2 ulp (`tests/models/test_fused_layer.py` compares outputs and every gradient to the
 float64 model). Supported: q/k/v/o biases (Qwen2), GQA, any even head dim, the model's own RoPE
 tables (any scaling, full rotary dim), Qwen3's q / k norms. Not supported (the layer stays the
 model's own): sliding windows, MLP biases, activations other than SiLU, partial rotary.

@@ -35,7 +35,7 @@ AVX-512 kernels; on Intel, MKL already runs AVX-512), `onednn` (wherever the op 
 `off` (never). The
 rule is fixed per machine, not timed at run time, so a resumed run computes exactly what an
 uninterrupted one does. Both libraries sum in float32; results agree to float32 rounding
-(`tests/test_cpu_gemm.py` checks outputs and all gradients against `F.linear`).
+(`tests/models/test_onednn.py` checks outputs and all gradients against `F.linear`).
 """
 from __future__ import annotations
 

