@@ -35,8 +35,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from fastgrpo.rollout.decoders import uniforms
-
-U = 2.0 ** -24  # float32 unit roundoff
+from fp32_oracle import U, check_fp32, fp32_tol  # noqa: F401  (the shared check, re-used by the tests here)
 ELEMENT_SPREAD = 4  # single-element allowance, in units of the rms tol (see the module doc)
 
 
@@ -51,36 +50,6 @@ def decode_depth(config, keys: int) -> int:
     d = getattr(config, "head_dim", None) or h // heads
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     return layers * (6 * h + 2 * d + 2 * keys + heads * d + inter) + 3 * h
-
-
-def fp32_tol(depth: int, truth: torch.Tensor) -> float:
-    """U · depth · max|truth| (see the module doc)."""
-    t = truth.detach().double()
-    t = t[torch.isfinite(t)]
-    return U * depth * (float(t.abs().max()) if t.numel() else 0.0)
-
-
-def _rms(e: torch.Tensor) -> float:
-    return float(e.pow(2).mean().sqrt()) if e.numel() else 0.0
-
-
-def check_fp32(name: str, got, ref, truth, tol: float, labels: Optional[Sequence] = None) -> None:
-    """rms|got − truth| ≤ rms|ref − truth| + tol, and rms|ref − truth| ≤ tol (the reference is
-    itself as accurate as float32 can be); `ref` None: rms|got − truth| ≤ tol. A NaN fails.
-    On failure the worst elements are printed (named by `labels` where given)."""
-    g = torch.as_tensor(got).detach().double().reshape(-1)
-    t = torch.as_tensor(truth).detach().double().reshape(-1)
-    assert g.shape == t.shape, f"{name}: shape {tuple(g.shape)} != truth {tuple(t.shape)}"
-    r = None if ref is None else torch.as_tensor(ref).detach().double().reshape(-1)
-    err_g = (g - t).abs()
-    rms_g, rms_r = _rms(err_g), (0.0 if r is None else _rms(r - t))
-    bound = rms_r + tol
-    if not (rms_r <= tol and rms_g <= bound):
-        worst = err_g.nan_to_num(float("inf")).topk(min(5, g.numel())).indices
-        lines = [f"  [{labels[int(i)] if labels is not None else int(i)}] got={float(g[i]):.9g} truth={float(t[i]):.9g}"
-                 + ("" if r is None else f" ref={float(r[i]):.9g}") + f" err={float(err_g[i]):.3g}" for i in worst]
-        raise AssertionError(f"{name}: rms error {rms_g:.3g} (reference {rms_r:.3g}) against the bound "
-                             f"{bound:.3g} (tol {tol:.3g}); worst:\n" + "\n".join(lines))
 
 
 def float64_copy(model):
