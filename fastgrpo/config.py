@@ -34,9 +34,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # "arithmetic" (built-in, held-out split) or "jsonl" (rows with prompt/answer)
-    path: Optional[str] = None  # train jsonl when task=jsonl
-    eval_path: Optional[str] = None  # held-out jsonl when task=jsonl
+    task: str = "auto"  # auto (arithmetic without data.path, else math) | arithmetic | math | code | jsonl (= math)
+    path: Optional[str] = None  # train data: a .jsonl / .json / .parquet / .csv file, a datasets save_to_disk folder, or a hub id
+    eval_path: Optional[str] = None  # held-out data (same forms); without it, eval_fraction of path is held out
+    eval_fraction: float = 0.0  # seeded fraction of path's rows held out when there is no eval_path
+    split: str = "train"  # split used for training when path is a dataset dict / hub dataset
+    eval_split: Optional[str] = None  # split used as held-out when path is a dataset dict (e.g. "test")
+    columns: Dict[str, str] = field(default_factory=dict)  # problem field → column: prompt | messages | answer | tests | id | completion
+    system_prompt: Optional[str] = None  # system message (with a chat template) or a text prefix (without)
+    few_shot: int = 0  # the first k train rows with a reference completion, shown as example turns before each prompt
+    chat_template: str = "auto"  # auto (the tokenizer's template when it has one) | on (required) | off (raw text)
+    enable_thinking: Optional[bool] = None  # passed to apply_chat_template (Qwen3's thinking switch); None = not passed
+    answer_format: str = "auto"  # math answer extraction: auto | tags | boxed | gsm8k | last_number | regex:<pattern>
+    answer_tag: str = "answer"  # the tag of answer_format=tags (and of auto's first try)
+    max_prompt_tokens: int = 0  # a longer prompt is an error naming its row (0 = the model's context − rollout.max_new_tokens)
+    limit: int = 0  # use only the first N rows of path (0 = all)
     max_operand: int = 50  # arithmetic: operands drawn from [0, max_operand)
     num_heldout: int = 200  # arithmetic: problems kept out of training for eval/accuracy
     seed: int = 0  # split / shuffling seed
@@ -212,7 +224,9 @@ _CHECKS = {
     "model.arch": _choice("qwen2", "llama"), "model.dtype": _choice("float32", "bfloat16", "float16"),
     "model.hidden_size": _POS_INT, "model.num_hidden_layers": _POS_INT,
     "model.intermediate_size": _POS_INT, "model.num_attention_heads": _POS_INT,
-    "data.task": _choice("arithmetic", "jsonl"), "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"),
+    "data.task": _choice("auto", "arithmetic", "math", "code", "jsonl"),
+    "data.eval_fraction": ((lambda v: 0 <= v < 1), "a number in [0, 1)"), "data.few_shot": _NONNEG,
+    "data.chat_template": _choice("auto", "on", "off"), "data.max_prompt_tokens": _NONNEG, "data.limit": _NONNEG, "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"),
     "data.num_heldout": _NONNEG,
     "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
     "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
@@ -249,6 +263,11 @@ def _coerce(path: str, value, tp):
         if value is None:
             return None
         return _coerce(path, value, args[0])
+    if origin in (dict, Dict):
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        if not isinstance(value, dict):
+            _bad(path, value, "a mapping")
+        return {_coerce(f"{path}.{k}", k, kt): _coerce(f"{path}.{k}", v, vt) for k, v in value.items()}
     if origin in (list, List, Sequence):
         (item,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
@@ -309,8 +328,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             _bad(f"rewards.functions[{i}]", name, "one of ['accuracy', 'format', 'length']")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
-    if cfg.data.task == "jsonl" and not cfg.data.path:
-        _bad("data.path", cfg.data.path, "a jsonl file when data.task=jsonl")
+    if cfg.data.task in ("math", "code", "jsonl") and not cfg.data.path:
+        _bad("data.path", cfg.data.path, f"a data file, dataset folder or hub id when data.task={cfg.data.task}")
+    if cfg.data.task == "arithmetic" and cfg.data.path:
+        _bad("data.task", cfg.data.task, "math or code (or auto) when data.path is given (arithmetic is the built-in task)")
+    if cfg.data.answer_format not in ("auto", "tags", "boxed", "gsm8k", "last_number") and not cfg.data.answer_format.startswith("regex:"):
+        _bad("data.answer_format", cfg.data.answer_format, "one of auto, tags, boxed, gsm8k, last_number, regex:<pattern>")
+    known_cols = ("prompt", "messages", "answer", "tests", "id", "completion")
+    for k, v in cfg.data.columns.items():
+        if k not in known_cols:
+            _bad(f"data.columns.{k}", v, f"a mapping from problem fields {list(known_cols)} to column names")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0:
         _bad("eval.temperature", cfg.eval.temperature, "> 0 when eval.num_samples > 1 (pass@k needs sampling)")
     for i, k in enumerate(cfg.eval.pass_k):

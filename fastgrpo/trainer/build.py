@@ -63,7 +63,7 @@ def resolve_model_dir(path: str) -> str:
 
 
 def build_task(dcfg: DataConfig):
-    if dcfg.task == "arithmetic":
+    if dcfg.task == "arithmetic" or (dcfg.task == "auto" and not dcfg.path):
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
