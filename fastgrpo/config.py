@@ -2,9 +2,10 @@
 
 Follows the house style (shared/DESIGN.md rule 5): every field carries an inline comment, YAML
 maps onto the dataclasses one key per field, and an unknown key or an invalid value fails at load
-time with the dotted field name (`algorithm.eps_low=-1: expected ...`). The defaults are the
-embedded demo (`fastgrpo train` with no arguments): a tiny Qwen2-style model learning the built-in
-arithmetic task on a 2-core CPU. `AlgorithmConfig.loss_config()` maps the loss fields onto the
+time with the dotted field name (`algorithm.eps_low=-1: expected ...`). The defaults suit a
+pretrained model (RL learning rates, no SFT unless asked, the task's accuracy reward); the
+embedded demo (`fastgrpo train` with no arguments, fastgrpo/demo/default.py) sets its own values
+for its tiny from-scratch model. `AlgorithmConfig.loss_config()` maps the loss fields onto the
 kernels' `LossConfig`, which validates them once more.
 """
 from __future__ import annotations
@@ -56,13 +57,19 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"  # auto | vllm | torch; torch is the CPU default (faster than vLLM at tiny sizes)
+    engine: str = "auto"  # auto (fastgrpo.rollout.choose_engine: the faster engine for the model and device) | vllm | torch
     group_size: int = 8  # G: completions per prompt
-    prompts_per_step: int = 16  # prompts per rollout batch (G·prompts sequences)
+    prompts_per_step: int = 8  # prompts per rollout batch (G·prompts sequences)
     temperature: float = 1.0  # sampling temperature; also the loss temperature τ
     top_p: float = 1.0  # nucleus sampling (1 = off, keeps the sampling distribution = the policy)
     top_k: int = 0  # top-k sampling (0 = off, as in SamplingConfig; -1, the older spelling of off, reads as 0)
-    max_new_tokens: int = 24  # completion length cap; longer completions count as truncated
+    max_new_tokens: int = 256  # completion length cap; longer completions count as truncated
+    stop: List[str] = field(default_factory=list)  # stop strings (kept in the completion, like a stop token)
+    thinking_budget: int = 0  # Qwen3 thinking budget: after this many tokens without think_end the interrupt is forced (0 = off)
+    answer_budget: int = 64  # thinking budget: tokens generated after the interrupt
+    think_end: str = "</think>"  # thinking budget: the string that closes the reasoning
+    interrupt: str = ""  # thinking budget: text forced when the budget runs out ("" = Qwen3's "Considering the limited time…")
+    max_model_len: int = 0  # vLLM context (0 = the longest prompt + the completion budget, capped at the model's context)
     gpu_memory_utilization: float = 0.3  # vLLM: fraction of accelerator memory for weights + KV cache
     sleep_between_steps: bool = False  # vLLM: release KV cache during the update (colocated engine)
 
@@ -71,12 +78,43 @@ class RolloutConfig:
             self.top_k = 0
 
 
+# the rewards `rewards.functions` can name (built by fastgrpo.rewards.registry.build_rewards)
+REWARD_NAMES = {
+    "accuracy": "the task's verifier (math: answer equivalence; code: its unit tests in the sandbox)",
+    "format": "R1 layout: one <think>…</think> then one <answer>…</answer> (rewards.format_think_tag / format_answer_tag)",
+    "language": "share of the chain of thought in rewards.language's script (DeepSeek-R1's language consistency)",
+    "kimi_length": "Kimi K1.5 length reward per group, on once a batch's accuracy reaches rewards.kimi_min_accuracy",
+    "overlong": "DAPO soft overlong penalty over the last rewards.overlong_cache tokens of rollout.max_new_tokens",
+    "code": "unit tests of the problem's `tests` run in the sandbox (rewards.code_timeout seconds each)",
+}
+
+
+def check_reward_name(name: str) -> Optional[str]:
+    """None when `name` is a known reward or a `module:function` path; else what is expected."""
+    if name in REWARD_NAMES:
+        return None
+    if isinstance(name, str) and name.count(":") == 1 and all(part.strip() for part in name.split(":")):
+        return None
+    return f"one of {sorted(REWARD_NAMES)} or a user function as 'module:function'"
+
+
+
 @dataclass
 class RewardsConfig:
-    functions: List[str] = field(default_factory=lambda: ["accuracy", "format"])  # accuracy | format | length
-    weights: List[float] = field(default_factory=lambda: [1.0, 0.1])  # weight of each function in the total
+    # accuracy | format | language | kimi_length | overlong | code, or a user function as module:function
+    # (TRL's reward-function signature accepted; fastgrpo/rewards/registry.py)
+    functions: List[str] = field(default_factory=lambda: ["accuracy"])
+    weights: List[float] = field(default_factory=lambda: [1.0])  # weight of each function in the total
     on_error: str = "zero"  # a reward fn that raises: "zero" scores error_score, "drop" drops the group
     error_score: float = 0.0  # score given to a completion whose reward fn raised (on_error=zero)
+    format_think_tag: str = "think"  # format: the reasoning block's tag (also language's)
+    format_answer_tag: str = "answer"  # format: the answer block's tag ("" = any text after the reasoning)
+    format_strict: bool = True  # format: the whole completion is exactly the two blocks
+    language: str = "en"  # language: the target language of the chain of thought
+    kimi_min_accuracy: float = 0.3  # kimi_length: on once a batch's mean accuracy reaches this (and stays on)
+    kimi_min_step: int = 0  # kimi_length: also on after this many steps (0 = only by accuracy)
+    overlong_cache: int = 0  # overlong: DAPO's L_cache, the last tokens of rollout.max_new_tokens penalised (0 = a quarter)
+    code_timeout: float = 5.0  # code: seconds per program run in the sandbox
 
 
 @dataclass
@@ -123,7 +161,7 @@ class PackingConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 5e-4  # AdamW peak learning rate of GRPO (measured on the demo: 2e-4 learns slower, 2e-3 collapses)
+    lr: float = 1e-6  # AdamW peak learning rate of GRPO: 1e-6 (TRL, verl) .. 3e-6 (DeepSeek-R1) for a pretrained model; the demo sets its own
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW β1, β2
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     eps: float = 1e-8  # AdamW ε
@@ -135,9 +173,9 @@ class OptimizerConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 300  # SFT cold-start optimizer steps (short on purpose: RL needs headroom)
-    batch_size: int = 64  # sequences per SFT step
-    lr: float = 3e-3  # SFT learning rate (AdamW, constant)
+    steps: int = 100  # SFT cold-start optimizer steps (short on purpose: RL needs headroom)
+    batch_size: int = 16  # sequences per SFT step
+    lr: float = 1e-5  # SFT learning rate (AdamW, constant; the demo's from-scratch model uses 3e-3)
     noise: float = 0.0  # fraction of SFT traces whose answer is corrupted (noisy cold start)
     max_grad_norm: float = 1.0  # gradient clip of SFT (0 = off)
 
@@ -169,7 +207,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # checkpoint every N steps (0 = only at the end); with sync.every > 1 at the first synced step from there
+    every: int = 50  # checkpoint every N steps (0 = only at the end); with sync.every > 1 at the first synced step from there
     keep_last: int = 2  # checkpoints kept (the newest complete one is never deleted)
     resume: str = "auto"  # auto (latest in out_dir) | none | a checkpoint directory
     at_end: bool = True  # write a checkpoint when the run ends
@@ -189,7 +227,7 @@ class TrainConfig:
     steps: int = 200  # GRPO steps (rollout batches)
     seed: int = 0  # global seed (python, numpy, torch, sampling)
     max_nan_skips: int = 5  # stop after this many skipped NaN/Inf steps
-    sft_first: bool = True  # run the SFT cold start before GRPO (no-arg demo)
+    sft_first: bool = False  # run the SFT cold start before GRPO (needs a reference completion in every train row; the demo sets it)
     threads: int = 0  # torch CPU threads (0 = torch's default); 1 wins at tiny sizes: OpenMP spin-waits cost 20× on a busy 2-core box
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -231,8 +269,10 @@ _CHECKS = {
     "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
     "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
     "rollout.top_k": ((lambda v: v >= -1), "0 (off) or an integer >= 1"),
-    "rollout.max_new_tokens": _POS_INT, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    "rewards.on_error": _choice("zero", "drop"),
+    "rollout.max_new_tokens": _POS_INT, "rollout.thinking_budget": _NONNEG, "rollout.answer_budget": _POS_INT,
+    "rollout.max_model_len": _NONNEG, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
+    "rewards.on_error": _choice("zero", "drop"), "rewards.kimi_min_accuracy": _PROB, "rewards.kimi_min_step": _NONNEG,
+    "rewards.overlong_cache": _NONNEG, "rewards.code_timeout": _POS,
     "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
     "algorithm.inner_steps": _POS_INT, "algorithm.dynamic_max_rounds": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
     "algorithm.weighting": _choice("inverse_pass", "uniform"),
@@ -321,11 +361,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             value = value[part]
         if not ok(value):
             _bad(path, value, want)
+    for i, name in enumerate(cfg.rewards.functions):
+        why = check_reward_name(name)
+        if why is not None:
+            _bad(f"rewards.functions[{i}]", name, why)
     if len(cfg.rewards.functions) != len(cfg.rewards.weights):
         _bad("rewards.weights", cfg.rewards.weights, f"{len(cfg.rewards.functions)} weights, one per rewards.functions entry")
-    for i, name in enumerate(cfg.rewards.functions):
-        if name not in ("accuracy", "format", "length"):
-            _bad(f"rewards.functions[{i}]", name, "one of ['accuracy', 'format', 'length']")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
     if cfg.data.task in ("math", "code", "jsonl") and not cfg.data.path:
@@ -338,6 +379,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for k, v in cfg.data.columns.items():
         if k not in known_cols:
             _bad(f"data.columns.{k}", v, f"a mapping from problem fields {list(known_cols)} to column names")
+    r = cfg.rollout
+    if any(not x for x in r.stop):
+        _bad("rollout.stop", r.stop, "non-empty stop strings")
+    if r.thinking_budget and r.thinking_budget + r.answer_budget > r.max_new_tokens:
+        _bad("rollout.thinking_budget", r.thinking_budget, f"thinking_budget + answer_budget ({r.answer_budget}) <= "
+             f"rollout.max_new_tokens={r.max_new_tokens} (the interrupt's tokens count too; the loss normalises by that cap)")
+    if r.thinking_budget and not r.think_end:
+        _bad("rollout.think_end", r.think_end, "the string that closes the reasoning when thinking_budget is set")
     if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0:
         _bad("eval.temperature", cfg.eval.temperature, "> 0 when eval.num_samples > 1 (pass@k needs sampling)")
     for i, k in enumerate(cfg.eval.pass_k):

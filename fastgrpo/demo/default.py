@@ -31,6 +31,7 @@ from fastgrpo.config import TrainConfig, load_config
 DEFAULT_YAML = """
 steps: 200                # GRPO steps (rollout batches); held-out accuracy plateaus after ~100
 seed: 0
+sft_first: true           # the tiny model starts from random weights: SFT teaches it the format first
 threads: 1                # tiny matmuls gain nothing from 2 threads, and lose 20× when the 2 cores are busy
 model: {path: tiny, arch: qwen2, hidden_size: 64, num_hidden_layers: 2, intermediate_size: 128, num_attention_heads: 2}
 data: {task: arithmetic, max_operand: 50, num_heldout: 200}

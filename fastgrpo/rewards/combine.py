@@ -80,44 +80,55 @@ def _as_scores(vals, n: int, name: str) -> List[Optional[float]]:
 
 
 def score_groups(problems: Sequence, groups: Sequence, fns: Mapping[str, Callable], names: Sequence[str],
-                 weights: Sequence[float], error_score: float = 0.0, on_error: str = "zero"
+                 weights: Sequence[float], error_score: float = 0.0, on_error: str = "zero", step: int = 0
                  ) -> Tuple[Dict[str, "np.ndarray"], "np.ndarray", set, List[str]]:
     """A rollout batch's rewards: (per reward [B, G] unweighted, the weighted total [B, G],
     indices of groups to drop, error messages).
 
-    `problems[i]` has `.id` and `.answer`; `groups[i]` holds G completions with `.text`. Each
-    reward function `fns[name](texts, answers)` is called once on the whole batch (verifiers
-    amortise their start-up); only when that call raises is it re-run prompt by prompt, so that
+    `problems[i]` is the task's problem (`.id`, `.answer`, …); `groups[i]` holds its G completions
+    (`.text`, `.token_ids`, `.finish_reason`). Each reward `fns[name]` is called once on the whole
+    batch with a `fastgrpo.rewards.registry.RewardInputs` (or, in the older signature, as
+    `fn(texts, answers)`), in the order of `names`, and sees the scores of the rewards before it
+    (`inputs.scores`); verifiers amortise their start-up that way. Only when that call raises (or
+    returns the wrong number of scores, or a non-finite one) is it re-run prompt by prompt, so that
     the failing prompt's id is reported and only that group is scored `error_score`
     (on_error="zero") or dropped (on_error="drop"). A None score (unverifiable) counts as
     `error_score` (`combine_rewards(..., none_score=error_score)`).
     """
     import numpy as np  # here, not at import: the sandbox imports fastgrpo.rewards in a bare interpreter
 
+    from fastgrpo.rewards.registry import RewardInputs, call_reward
+
     B = len(problems)
     G = len(groups[0]) if B else 0
-    texts = [c.text for g in groups for c in g]
-    answers = [p.answer for p in problems for _ in range(G)]
+    comps = [c for g in groups for c in g]
+    inputs = RewardInputs(completions=[c.text for c in comps], problems=[p for p in problems for _ in range(G)],
+                          lengths=[len(getattr(c, "token_ids", ()) or ()) for c in comps],
+                          truncated=[getattr(c, "finish_reason", "stop") == "length" for c in comps],
+                          completion_ids=[list(getattr(c, "token_ids", ()) or ()) for c in comps],
+                          group_size=G, step=step)
     raw: Dict[str, List[Optional[float]]] = {}
     dropped: set = set()
     errors: List[str] = []
     for name in names:
         fn = fns[name]
         try:
-            raw[name] = _as_scores(fn(texts, answers), B * G, name)
+            raw[name] = _as_scores(call_reward(fn, inputs), B * G, name)
+            inputs.scores[name] = raw[name]
             continue
         except Exception:  # noqa: BLE001 — retried prompt by prompt below, which reports it
             pass
         scores: List[Optional[float]] = [error_score] * (B * G)
         for i, p in enumerate(problems):
             try:
-                scores[i * G:(i + 1) * G] = _as_scores(fn(texts[i * G:(i + 1) * G], answers[i * G:(i + 1) * G]), G,
-                                                       name)
+                scores[i * G:(i + 1) * G] = _as_scores(call_reward(fn, inputs.slice(i * G, (i + 1) * G)), G, name)
             except Exception as e:  # noqa: BLE001 — reported, never fatal: one bad verifier call must not kill a run
-                errors.append(f"reward {name!r} raised on prompt id {p.id}: {type(e).__name__}: {e}")
+                key = getattr(p, "key", "") or p.id
+                errors.append(f"reward {name!r} raised on prompt id {key}: {type(e).__name__}: {e}")
                 if on_error == "drop":
                     dropped.add(i)
         raw[name] = scores
+        inputs.scores[name] = scores
     mixed = combine_rewards(raw, dict(zip(names, weights)), none_score=error_score) if names else None
     per_fn = {k: np.array([error_score if v is None else v for v in vals], dtype=np.float64).reshape(B, G)
               for k, vals in raw.items()}

@@ -22,6 +22,7 @@ class RewardInputs:
     completion_ids: List[List[int]] = field(default_factory=list)  # completion token ids
     group_size: int = 1  # G (completions i·G … i·G+G−1 answer the same prompt)
     scores: Dict[str, List[Optional[float]]] = field(default_factory=dict)  # rewards scored earlier in this call
+    step: int = 0  # the training step (for rewards that switch on after a number of steps)
 
     @property
     def answers(self) -> List[str]:
@@ -43,7 +44,7 @@ class RewardInputs:
         cut = lambda xs: list(xs[start:stop]) if xs else []  # noqa: E731
         return RewardInputs(cut(self.completions), cut(self.problems), cut(self.lengths), cut(self.truncated),
                             cut(self.completion_ids), self.group_size,
-                            {k: list(v[start:stop]) for k, v in self.scores.items()})
+                            {k: list(v[start:stop]) for k, v in self.scores.items()}, self.step)
 
 
 def inputs_reward(fn: Callable) -> Callable:
@@ -57,3 +58,166 @@ def call_reward(fn: Callable, inputs: RewardInputs) -> Sequence[Optional[float]]
     if getattr(fn, "takes_inputs", False):
         return fn(inputs)
     return fn(inputs.completions, inputs.answers)
+
+
+# ---------------------------------------------------------------------------------------------
+# the names `rewards.functions` can list
+# ---------------------------------------------------------------------------------------------
+
+from fastgrpo.config import REWARD_NAMES as KNOWN, check_reward_name  # noqa: E402 (the names live with the config schema)
+
+
+def import_reward(path: str) -> Callable:
+    """The user function at `module:function` (a dotted module, importable or a .py file path)."""
+    import importlib
+    import importlib.util
+    import os
+
+    mod_name, fn_name = path.split(":")
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.isfile(mod_name):
+                raise ImportError(f"no file {mod_name}")
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 — any failure of the user's import is reported with its path
+        raise ValueError(f"config rewards.functions: {path!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"config rewards.functions: {path!r}: {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def user_reward(fn: Callable, name: str = "") -> Callable:
+    """Adapt a user function to RewardInputs. TRL's reward-function signature is accepted:
+    `fn(prompts, completions, completion_ids, **columns)` with every dataset column as a list
+    (one entry per completion); fastgrpo also passes `answers` (= the `answer` column) and
+    `tests`. Only the keywords the function accepts are passed unless it takes **kwargs; a
+    function with two positional parameters not named as above gets (completions, answers)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    params = dict(sig.parameters) if sig is not None else {}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    by_kw = var_kw or any(n in params for n in ("prompts", "completions", "completion_ids", "answers", "answer"))
+
+    @inputs_reward
+    def call(inputs: RewardInputs):
+        if not by_kw:
+            return fn(inputs.completions, inputs.answers)
+        kw: Dict[str, Any] = {}
+        cols = sorted({k for p in inputs.problems for k in (getattr(p, "row", None) or {})})
+        for col in cols:
+            kw[col] = [(getattr(p, "row", None) or {}).get(col) for p in inputs.problems]
+        kw.update(prompts=inputs.prompts, completions=inputs.completions, completion_ids=inputs.completion_ids,
+                  answers=inputs.answers, answer=inputs.answers, tests=inputs.tests)
+        if not var_kw:
+            kw = {k: v for k, v in kw.items() if k in params}
+        return fn(**kw)
+
+    call.__name__ = f"user_reward[{name or getattr(fn, '__name__', 'fn')}]"
+    return call
+
+
+class Rewards:
+    """The rewards of a run: name → `@inputs_reward` callable, built once from the config and the
+    task (`build_rewards`); holds the state some rewards keep (the Kimi gate), checkpointed with
+    `state_dict`."""
+
+    def __init__(self, fns: Dict[str, Callable], gate=None):
+        self.fns = fns
+        self.gate = gate
+
+    def __getitem__(self, name: str) -> Callable:
+        return self.fns[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fns
+
+    def keys(self):
+        return self.fns.keys()
+
+    def get(self, name, default=None):
+        return self.fns.get(name, default)
+
+    def state_dict(self) -> dict:
+        return {"kimi_gate": self.gate.state_dict()} if self.gate is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.gate is not None and state.get("kimi_gate") is not None:
+            self.gate.load_state_dict(state["kimi_gate"])
+
+
+def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
+    """The callables of `rcfg.functions` (a `RewardsConfig`) for `task`. Unknown names and user
+    functions that fail to import raise ValueError naming the entry (call it before any model
+    or engine starts)."""
+    from fastgrpo.rewards.code import code_reward
+    from fastgrpo.rewards.format import format_reward
+    from fastgrpo.rewards.language import language_reward
+    from fastgrpo.rewards.length import KimiLengthGate, kimi_length_reward, overlong_penalty
+
+    task_fns = dict(task.reward_fns()) if hasattr(task, "reward_fns") else {}
+    task_name = getattr(task, "name", type(task).__name__)
+    fns: Dict[str, Callable] = {}
+    gate = None
+
+    def accuracy_of(inputs: RewardInputs):
+        if "accuracy" in inputs.scores:
+            return inputs.scores["accuracy"]
+        if "accuracy" not in task_fns:
+            raise ValueError(f"task {task_name} defines no accuracy reward")
+        return list(call_reward(task_fns["accuracy"], inputs))
+
+    for i, name in enumerate(rcfg.functions):
+        why = check_reward_name(name)
+        if why is not None:
+            raise ValueError(f"config rewards.functions[{i}]={name!r}: unknown reward; expected {why}")
+        if ":" in name:
+            fns[name] = user_reward(import_reward(name), name)
+        elif name in task_fns:  # the task's own definition wins (e.g. its accuracy, its format)
+            fn = task_fns[name]
+            fns[name] = fn if getattr(fn, "takes_inputs", False) else inputs_reward(
+                lambda inputs, fn=fn: fn(inputs.completions, inputs.answers))
+        elif name == "accuracy":
+            raise ValueError(f"config rewards.functions[{i}]='accuracy': task {task_name} defines no accuracy reward")
+        elif name == "format":
+            think, answer, strict = rcfg.format_think_tag, rcfg.format_answer_tag, rcfg.format_strict
+            fns[name] = inputs_reward(lambda inputs: format_reward(inputs.completions, think_tag=think,
+                                                                   answer_tag=answer, strict=strict))
+        elif name == "language":
+            lang, think = rcfg.language, rcfg.format_think_tag
+            language_reward([], language=lang)  # an unknown language fails here, at load
+            fns[name] = inputs_reward(lambda inputs: language_reward(inputs.completions, language=lang,
+                                                                     think_tag=think))
+        elif name == "overlong":
+            cache = rcfg.overlong_cache or max(1, max_new_tokens // 4)
+            if cache > max_new_tokens:
+                raise ValueError(f"config rewards.overlong_cache={cache}: expected at most rollout.max_new_tokens={max_new_tokens}")
+            fns[name] = inputs_reward(lambda inputs: overlong_penalty(inputs.lengths, max_new_tokens, cache))
+        elif name == "kimi_length":
+            gate = KimiLengthGate(min_step=rcfg.kimi_min_step or None, min_accuracy=rcfg.kimi_min_accuracy)
+
+            def kimi(inputs: RewardInputs, gate=gate):
+                correct = [s is not None and s >= 1.0 for s in accuracy_of(inputs)]
+                groups = [j // max(1, inputs.group_size) for j in range(len(inputs))]
+                return kimi_length_reward(inputs.lengths, correct, groups=groups, gate=gate, step=inputs.step)
+
+            fns[name] = inputs_reward(kimi)
+        elif name == "code":
+            timeout = rcfg.code_timeout
+
+            def code(inputs: RewardInputs):
+                tests = inputs.tests
+                if any(t is None for t in tests):
+                    raise ValueError("the code reward needs a `tests` field on every problem (data.columns.tests)")
+                return code_reward(inputs.completions, tests, timeout)
+
+            fns[name] = inputs_reward(code)
+    return Rewards(fns, gate)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,9 +96,37 @@ def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):
 
 
 
-def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer):
+def model_context_len(model) -> Optional[int]:
+    """The model's context length (its config's max_position_embeddings), None when unknown."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def engine_context_len(rcfg: RolloutConfig, model, prompt_len: Optional[int]) -> int:
+    """vLLM's max_model_len: rollout.max_model_len, else the longest prompt + the completion
+    budget, capped at the model's context; a prompt that cannot fit with its completion budget
+    is an error here (never a silently shortened completion)."""
+    ctx = model_context_len(model)
+    if rcfg.max_model_len:
+        need = rcfg.max_model_len
+    else:
+        need = (prompt_len or 256) + rcfg.max_new_tokens
+    if ctx is not None and need > ctx:
+        if rcfg.max_model_len:
+            raise ValueError(f"config rollout.max_model_len={rcfg.max_model_len}: the model's context is {ctx} tokens")
+        raise ValueError(f"prompts of up to {prompt_len} tokens + rollout.max_new_tokens={rcfg.max_new_tokens} exceed the "
+                         f"model's context of {ctx} tokens; shorten the prompts (data.max_prompt_tokens) or the completions")
+    if prompt_len is not None and need < prompt_len + rcfg.max_new_tokens:
+        raise ValueError(f"config rollout.max_model_len={rcfg.max_model_len}: prompts of up to {prompt_len} tokens + "
+                         f"rollout.max_new_tokens={rcfg.max_new_tokens} do not fit; completions would be cut")
+    return need
+
+
+def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer, prompt_len=None):
     """engine=torch: the built-in engine sampling from the trainer's own module (no weight copy);
-    vllm: a colocated vLLM engine loaded from a snapshot of the model; auto: vLLM when installed."""
+    vllm: a colocated vLLM engine loaded from a snapshot of the model, its context sized to the
+    longest prompt (`prompt_len` tokens, or a callable returning it, called only for vLLM) + the
+    completion budget; auto: `rollout.choose_engine`."""
     from fastgrpo.rollout import choose_engine, make_engine
 
     kind, reason = choose_engine(rcfg.engine, model)
@@ -109,14 +137,21 @@ def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer):
     # max_num_seqs: one rollout batch (G·prompts sequences) in one scheduler pass
     n = max(rcfg.group_size * rcfg.prompts_per_step, 64)
     return make_engine("vllm", model, tokenizer, gpu_memory_utilization=rcfg.gpu_memory_utilization,
-                       max_model_len=512, max_num_seqs=n)
+                       max_model_len=engine_context_len(rcfg, model, prompt_len() if callable(prompt_len) else prompt_len),
+                       max_num_seqs=n)
 
 
 def sampling_config(rcfg: RolloutConfig, temperature=None, seed=None):
     from fastgrpo.rollout.base import SamplingConfig
 
+    extra = {}
+    if rcfg.thinking_budget:
+        extra = dict(thinking_budget=rcfg.thinking_budget, answer_budget=rcfg.answer_budget, think_end=rcfg.think_end)
+        if rcfg.interrupt:
+            extra["interrupt"] = rcfg.interrupt
     return SamplingConfig(temperature=rcfg.temperature if temperature is None else temperature, top_p=rcfg.top_p,
-                          top_k=rcfg.top_k, max_new_tokens=rcfg.max_new_tokens, seed=seed)
+                          top_k=rcfg.top_k, max_new_tokens=rcfg.max_new_tokens, stop=tuple(rcfg.stop), seed=seed,
+                          **extra)
 
 
 class ProblemSampler:

@@ -96,7 +96,10 @@ class Trainer(CheckpointMixin):
         self.ref_model = None
         if cfg.algorithm.beta > 0:
             self.ref_model = self._build_reference().eval().requires_grad_(False)
-        self.engine = engine if engine is not None else build_rollout_engine(cfg.rollout, self.backend.module, tokenizer)
+        self._prompt_ids: Dict[int, List[int]] = {}
+        if engine is None:
+            engine = build_rollout_engine(cfg.rollout, self.backend.module, tokenizer, prompt_len=self._max_prompt_len)
+        self.engine = engine
         self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
         self.loss_cfg = cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
         self.sampling = sampling_config(cfg.rollout)
@@ -109,13 +112,37 @@ class Trainer(CheckpointMixin):
         self._save_pending = False  # a periodic checkpoint due while the engine was stale
         self.nan_skips = 0
         self.reward_errors = 0
-        self._prompt_ids: Dict[int, List[int]] = {}
+        self._check_thinking_budget()
+        self._weights_changed = False  # an optimizer step applied since the engine last got the weights
+        self.syncs_skipped = 0  # steps whose weight sync was skipped because no weight changed
         check_sync_sampling(cfg, shares_module=getattr(self.engine, "model", None) is self.backend.module)
-        self.reward_fns = self.task.reward_fns()
-        for name in cfg.rewards.functions:
-            if name not in self.reward_fns:
-                raise ValueError(f"config rewards.functions: {name!r} is not a reward of task "
-                                 f"{getattr(self.task, 'name', type(self.task).__name__)} (it has {sorted(self.reward_fns)})")
+        from fastgrpo.rewards.registry import build_rewards
+
+        # rewards by name from the config (the task's own, the library's, a user's module:function)
+        self.reward_fns = build_rewards(cfg.rewards, self.task, cfg.rollout.max_new_tokens)
+
+    def _max_prompt_len(self) -> int:
+        """Tokens of the task's longest prompt (train and held-out; the task's own count when it
+        has one). Tokenizing them now also fills the trainer's prompt cache."""
+        n = getattr(self.task, "max_prompt_len", None)
+        if isinstance(n, int) and n > 0:
+            return n
+        probs = list(self.task.train) + list(getattr(self.task, "heldout", []) or [])
+        self._tokenize(list(self.task.train))
+        held = [p.prompt for p in getattr(self.task, "heldout", []) or []]
+        lens = [len(t) for t in self._prompt_ids.values()]
+        if held and self.tokenizer is not None:
+            lens += [len(t) for t in self.tokenizer(held, add_special_tokens=False)["input_ids"]]
+        return max(lens) if lens and probs else 0
+
+    def _check_thinking_budget(self) -> None:
+        r = self.cfg.rollout
+        if not r.thinking_budget or self.tokenizer is None:
+            return
+        forced = len(self.tokenizer(self.sampling.interrupt, add_special_tokens=False)["input_ids"])
+        if r.thinking_budget + forced + r.answer_budget > r.max_new_tokens:
+            raise ValueError(f"config rollout.thinking_budget={r.thinking_budget} + the interrupt's {forced} tokens + "
+                             f"rollout.answer_budget={r.answer_budget} exceed rollout.max_new_tokens={r.max_new_tokens}")
 
     def _build_reference(self):
         """A frozen copy of the policy's current weights. Under ZeRO-3 the parameters are
@@ -160,7 +187,8 @@ class Trainer(CheckpointMixin):
         r = self.cfg.rewards
         with self.timers.phase("reward"):
             per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
-                                                          error_score=r.error_score, on_error=r.on_error)
+                                                          error_score=r.error_score, on_error=r.on_error,
+                                                          step=self.step_num + 1)
         for msg in errors:
             self.log(f"[fastgrpo] reward error: {msg}")
         self.reward_errors += len(errors)
@@ -347,6 +375,7 @@ class Trainer(CheckpointMixin):
                     logs["train/grad_norm"] = self.backend.step()
                     # finite gradients whose global norm overflowed: step() refused to apply them
                     bad = bool(getattr(self.backend, "last_step_skipped", False))
+                    self._weights_changed = self._weights_changed or not bad
                 if bad:
                     self.nan_skips += 1
                     logs["train/skipped"] = 1.0
@@ -371,12 +400,16 @@ class Trainer(CheckpointMixin):
         with self.timers.phase("sync"):
             if getattr(self.engine, "model", None) is self.backend.module:
                 return  # the built-in engine samples from the trainer's own module: nothing to copy
+            if not self._weights_changed and not self._engine_stale:
+                self.syncs_skipped += 1  # no update applied (every group σ = 0, or skipped): the engine is current
+                return
             if self.step_num % self.cfg.sync.every == 0:
                 with self._full_weights():
                     self.engine.update_weights(self.backend.module)
                 self._engine_stale = False
             else:
                 self._engine_stale = True
+            self._weights_changed = False
 
     # ------------------------------------------------------------------ the step
     def _round(self, n: int) -> SimpleNamespace:
@@ -420,6 +453,7 @@ class Trainer(CheckpointMixin):
         logs["train/lr"] = self.backend.optimizer.param_groups[0]["lr"]
         logs["train/nan_skips"] = self.nan_skips
         logs["train/reward_errors"] = self.reward_errors
+        logs["train/syncs_skipped"] = self.syncs_skipped
         if hasattr(self.curriculum, "metrics"):
             logs.update(self.curriculum.metrics())
         if cfg.algorithm.dynamic_sampling:

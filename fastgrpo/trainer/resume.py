@@ -47,7 +47,9 @@ class CheckpointMixin:
                                         None if ds else self.backend.lr_scheduler, self.curriculum,
                                         tokenizer=self.tokenizer,
                                         extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors,
-                                               "engine_stale": bool(self._engine_stale)},
+                                               "engine_stale": bool(self._engine_stale),
+                                               "rewards": self.reward_fns.state_dict()
+                                               if hasattr(self.reward_fns, "state_dict") else {}},
                                         keep_last=self.cfg.checkpoint.keep_last, model_state=state,
                                         shards=shards if multi else None, tmp=tmp)
             if multi:
@@ -71,6 +73,8 @@ class CheckpointMixin:
         self.step_num = int(state["step"])
         self.nan_skips = int(state["extra"].get("nan_skips", 0))
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
+        if hasattr(self.reward_fns, "load_state_dict"):
+            self.reward_fns.load_state_dict(state["extra"].get("rewards") or {})
         if getattr(self.engine, "model", None) is not self.backend.module:
             with self._full_weights():
                 self.engine.update_weights(self.backend.module)

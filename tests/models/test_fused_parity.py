@@ -65,7 +65,7 @@ GRAD_REL = 1e-3  # of the tensor's max |g|
 LOSS_ATOL = 2e-5
 
 OVERRIDES = [
-    "threads=1", "seed=0", "steps=1", "sft_first=false",
+    "threads=1", "seed=0", "steps=1", "sft_first=false", "rollout.engine=torch",
     # the demo's model (hidden 64, 2 layers, 2 heads of 32, one KV head)
     "model.hidden_size=64", "model.num_hidden_layers=2", "model.intermediate_size=128",
     "model.num_attention_heads=2",

@@ -6,7 +6,8 @@ from fastgrpo.config import load_config
 from fastgrpo.tasks.arithmetic import ArithmeticTask
 
 TINY = [
-    "threads=1", "steps=2", "sft_first=false",
+    "threads=1", "steps=2", "sft_first=false", "rollout.engine=torch",
+    "rewards.functions=[accuracy, format]", "rewards.weights=[1.0, 0.1]", "optimizer.lr=5e-4", "sft.lr=3e-3",
     "model.hidden_size=32", "model.num_hidden_layers=1", "model.intermediate_size=64", "model.num_attention_heads=2",
     "data.max_operand=10", "data.num_heldout=10",
     "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8",
