@@ -15,7 +15,7 @@ by a symbolic verifier; Hugging Face Math-Verify `parse`/`verify`). Departures:
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from fastgrpo.rewards import reasons as R
 from fastgrpo.rewards.sandbox.pool import RewardPool, default_pool
@@ -50,6 +50,28 @@ def _last_boxed(text: str) -> Optional[str]:
     return None
 
 
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} (braces matched), stripped; None if absent, unbalanced or empty."""
+    b = _last_boxed(text)
+    return (b.strip() or None) if b is not None else None
+
+
+def answer_line(text: str) -> Optional[str]:
+    """The answer of a final "Answer: …" / "the answer is …" line (last 3 non-empty lines of the tail)."""
+    lines = [ln for ln in text[-_TAIL:].splitlines() if ln.strip()]
+    for line in reversed(lines[-3:]):
+        m = _ANSWER_LINE.search(line)
+        if m:
+            return m.group(1).strip().rstrip(".").strip("$ ")
+    return None
+
+
+def last_number(text: str) -> Optional[str]:
+    """The last number of the text's last 4 KiB, thousands commas dropped."""
+    nums = _NUMBER_RE.findall(text[-_TAIL:])
+    return nums[-1].replace(",", "") if nums else None
+
+
 def extract_answer(text: str, answer_tag: str = "answer", last_number_fallback: bool = True) -> Optional[str]:
     """The final answer of a completion, or None. Priority: the last <answer>…</answer> (a
     \\boxed{} inside it wins), the last \\boxed{}, a final "Answer: …" line, the last number."""
@@ -64,16 +86,11 @@ def extract_answer(text: str, answer_tag: str = "answer", last_number_fallback: 
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    tail = text[-_TAIL:]
-    lines = [ln for ln in tail.splitlines() if ln.strip()]
-    for line in reversed(lines[-3:]):
-        m = _ANSWER_LINE.search(line)
-        if m:
-            return m.group(1).strip().rstrip(".").strip("$ ")
+    line = answer_line(text)
+    if line is not None:
+        return line
     if last_number_fallback:
-        nums = _NUMBER_RE.findall(tail)
-        if nums:
-            return nums[-1].replace(",", "")
+        return last_number(text)
     return None
 
 
@@ -154,6 +171,24 @@ def verify_one(pred: str, gold: str, percent_as_fraction: bool = False, soft_tim
     return 0.0, (R.WRONG if pred_forms else R.UNPARSABLE)
 
 
+def gold_ok(gold: str, percent_as_fraction: bool = False, soft_timeout: int = 3) -> bool:
+    """Worker-side: True when a gold answer reads as mathematics (the gold half of `verify_one`)."""
+    return any(len(_parse(g, soft_timeout)) >= 2 for g in normalize(gold, percent_as_fraction))
+
+
+def golds_parse(golds: Sequence[str], *, timeout: float = 5.0, pool: Optional[RewardPool] = None,
+                percent_as_fraction: bool = False) -> List[bool]:
+    """Whether each gold answer parses as `math_reward` would read it (a load-time check of a
+    task's references; each distinct gold once, in the pool, under the hard timeout)."""
+    uniq = list(dict.fromkeys(golds))
+    if not uniq:
+        return []
+    soft = max(1, int(timeout) - 1)
+    res = (pool or default_pool()).map(gold_ok, [(g, percent_as_fraction, soft) for g in uniq], timeout=timeout)
+    ok = {g: bool(r.ok and r.value) for g, r in zip(uniq, res)}
+    return [ok[g] for g in golds]
+
+
 def _gold_text(gold) -> Optional[str]:
     if isinstance(gold, (int, float)):
         return repr(gold)
@@ -174,7 +209,8 @@ def _as_text(c) -> Optional[str]:
 def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: float = 5.0,
                 pool: Optional[RewardPool] = None, answer_tag: str = "answer", last_number_fallback: bool = True,
                 percent_as_fraction: bool = False, max_answer_chars: Optional[int] = 1000,
-                example_ids: Optional[Sequence] = None, return_reasons: bool = False):
+                example_ids: Optional[Sequence] = None, return_reasons: bool = False,
+                extract: Optional[Callable[[str], Optional[str]]] = None):
     """1.0 when the completion's final answer is equivalent to the gold answer, else 0.0; None
     when the gold answer cannot be parsed (a data error, logged once, that the trainer skips).
 
@@ -189,6 +225,8 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: 
         max_answer_chars: longer extracted answers score 0 (`answer_too_long`) without a worker.
         example_ids: names used in data-error messages (default: the batch index).
         return_reasons: return (scores, reasons) instead of scores.
+        extract: the task's own answer extractor `extract(text) -> answer or None`, used instead
+            of `extract_answer(text, answer_tag, last_number_fallback)` (fastgrpo.tasks.math).
     """
     if len(completions) != len(answers):
         raise ValueError(f"answers: expected one per completion ({len(completions)}), got {len(answers)}")
@@ -211,7 +249,7 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: 
         if text is None:
             why[i] = R.BAD_INPUT
             continue
-        ans = extract_answer(text, answer_tag, last_number_fallback)
+        ans = extract(text) if extract is not None else extract_answer(text, answer_tag, last_number_fallback)
         if not ans:
             why[i] = R.NO_ANSWER
         elif max_answer_chars is not None and len(ans) > max_answer_chars:

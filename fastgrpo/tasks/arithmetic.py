@@ -50,6 +50,8 @@ class ArithmeticTask:
     """Addition problems a+b with a, b in [0, max_operand); `num_heldout` pairs held out."""
 
     name = "arithmetic"
+    has_completions = True  # sft_completion gives every problem its reference trace
+    format_tags = ("think", "answer")  # the tags of the expected completion
 
     def __init__(self, max_operand: int = 50, num_heldout: int = 200, seed: int = 0):
         if not isinstance(max_operand, int) or max_operand < 2:

@@ -1,54 +1,37 @@
-"""A task from JSON-lines files: one problem per line with `prompt` and `answer` (and optionally
-`completion`, a reference trace for the SFT cold start, and `id`). Rewards are the library's
-verifiers: `fastgrpo.rewards.math.math_reward` (math-verify / sympy equivalence of the last
-`<answer>` or `\\boxed{}`) and the strict R1 format reward of `fastgrpo.rewards.format`.
+"""The older jsonl task (`data.task=jsonl`): a math task over a JSON-lines file of `prompt` /
+`answer` rows (optionally `completion` and `id`), now built by `fastgrpo.tasks.build.build_task`
+like any other source. Kept for its name and its rewards: `accuracy` (Math-Verify, answer_format
+auto) and the strict R1 `format` reward of `fastgrpo.rewards.format`, which older configs list.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
+
+from fastgrpo.config import DataConfig
+from fastgrpo.tasks.base import Problem
+from fastgrpo.tasks.math import MathTask
+
+JsonlProblem = Problem  # the older name of the problem record
 
 
-@dataclass(frozen=True)
-class JsonlProblem:
-    id: int  # line index (or the row's integer `id`)
-    prompt: str  # model input text
-    answer: str  # reference answer
-    completion: Optional[str] = None  # reference trace for SFT
-
-
-def read_problems(path: str) -> List[JsonlProblem]:
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
-                raise ValueError(f"{path}:{i + 1}: expected an object with a string 'prompt' and an 'answer'")
-            out.append(JsonlProblem(id=int(row.get("id", i)), prompt=row["prompt"], answer=str(row["answer"]),
-                                    completion=row.get("completion")))
-    if len({p.id for p in out}) != len(out):
-        raise ValueError(f"{path}: problem ids are not unique")
-    return out
-
-
-class JsonlTask:
+class JsonlTask(MathTask):
     name = "jsonl"
 
     def __init__(self, path: str, eval_path: Optional[str] = None):
-        self.train = read_problems(path)
-        if not self.train:
-            raise ValueError(f"data.path={path!r}: no problems in the file")
-        self.heldout = read_problems(eval_path) if eval_path else []
+        from fastgrpo.tasks.build import build_task
 
-    def reward_fns(self) -> Dict[str, Callable]:
+        built = build_task(DataConfig(task="jsonl", path=path, eval_path=eval_path))
+        super().__init__(built.train, built.heldout, built.answer_format, built.answer_tag, few_shot=built.few_shot,
+                         source=path)
+
+    @classmethod
+    def of(cls, *args, **kw) -> "JsonlTask":
+        """A JsonlTask over problems built elsewhere (MathTask's arguments)."""
+        task = cls.__new__(cls)
+        MathTask.__init__(task, *args, **kw)
+        return task
+
+    def reward_fns(self, pool=None) -> Dict[str, Callable]:
         from fastgrpo.rewards.format import format_reward
-        from fastgrpo.rewards.math import math_reward
 
-        return {"accuracy": lambda c, a: math_reward(c, a),
-                "format": lambda c, a: format_reward(c)}
+        return {**super().reward_fns(pool), "format": lambda c, a: format_reward(c)}

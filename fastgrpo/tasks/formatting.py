@@ -1,0 +1,142 @@
+"""The prompt text of a row, exactly as the model will see it, and its SFT completion.
+
+A row's turns come from its `prompt` column (a string: one user turn; a list of messages: TRL's
+conversational form) or its chat `messages` column (a list of {role, content}; a final
+assistant turn is the row's reference completion when it has no completion column). Before
+them go the system prompt and the few-shot examples (user / assistant turn pairs). With a chat
+template (`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`,
+`enable_thinking` passed only when set, as Qwen3's template reads it) that is the prompt; without
+one the text is the system prompt, the examples (prompt + completion) and the prompt, separated
+by blank lines, and a multi-turn conversation is written `Role: content`.
+
+The SFT completion of a chat model ends as the template's assistant turn would: the conversation
+with the completion as its last assistant turn is rendered and the generation prompt cut off its
+front; the turn's end up to the eos token is dropped because the SFT trainer appends eos itself
+(ChatML: `answer<|im_end|>\\n` → `answer`, then `<|im_end|>` = eos is appended).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger("fastgrpo.tasks")
+
+Turns = List[Dict[str, str]]
+
+
+def row_turns(value, where: str, column: str) -> Turns:
+    """A prompt / messages cell as a list of {role, content} turns (a string = one user turn)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: column {column!r} is empty (expected the prompt text)")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where}: column {column!r} holds {type(value).__name__}; expected a string or a "
+                         f"non-empty list of {{role, content}} messages")
+    turns = []
+    for j, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: column {column!r} message {j} is not a {{role: str, content: str}} object")
+        turns.append({"role": m["role"], "content": m["content"]})
+    if not any(t["role"] != "system" and t["content"].strip() for t in turns):
+        raise ValueError(f"{where}: column {column!r} has no non-empty user message")
+    return turns
+
+
+def completion_text(value, where: str, column: str) -> Optional[str]:
+    """A completion cell as text: a string, or TRL's conversational list of assistant messages."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, (list, tuple)) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+        return "".join(m["content"] for m in value) or None
+    raise ValueError(f"{where}: column {column!r} holds {type(value).__name__}; expected the completion text")
+
+
+class PromptFormatter:
+    """Renders turns into the model's prompt text (and SFT completions) for one task."""
+
+    def __init__(self, tokenizer=None, chat_template: str = "auto", system_prompt: Optional[str] = None,
+                 enable_thinking: Optional[bool] = None):
+        if chat_template not in ("auto", "on", "off"):
+            raise ValueError(f"data.chat_template={chat_template!r}: expected auto, on or off")
+        has = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        if chat_template == "on" and not has:
+            what = "no tokenizer was given" if tokenizer is None else \
+                f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__) or 'unnamed'}) has no chat template"
+            raise ValueError(f"data.chat_template=on: {what}; set data.chat_template=off for raw text, or use a "
+                             f"model whose tokenizer has a chat template")
+        self.tokenizer = tokenizer
+        self.use_template = has and chat_template != "off"  # auto: the template when the tokenizer has one
+        self.system_prompt = system_prompt or None
+        self.enable_thinking = enable_thinking
+        self.shots: List[Tuple[Turns, str]] = []  # few-shot examples: (turns, completion)
+        self._warned = False
+
+    def _system(self, turns: Turns, where: str) -> Turns:
+        if self.system_prompt is None:
+            return []
+        if any(t["role"] == "system" for t in turns):
+            raise ValueError(f"{where}: the row has its own system message and data.system_prompt is set; "
+                             f"drop one of them")
+        return [{"role": "system", "content": self.system_prompt}]
+
+    def _shot_turns(self) -> Turns:
+        out: Turns = []
+        for turns, comp in self.shots:
+            out += [t for t in turns if t["role"] != "system"] + [{"role": "assistant", "content": comp}]
+        return out
+
+    def _apply(self, messages: Turns, generation_prompt: bool) -> str:
+        kw: Dict[str, Any] = {}
+        if self.enable_thinking is not None:
+            kw["enable_thinking"] = self.enable_thinking
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kw)
+
+    @staticmethod
+    def plain(turns: Turns) -> str:
+        body = [t for t in turns if t["role"] != "system"]
+        if len(body) == 1 and body[0]["role"] == "user":
+            return body[0]["content"]
+        return "\n\n".join(f"{t['role'].capitalize()}: {t['content']}" for t in body) + "\n\nAssistant:"
+
+    def messages(self, turns: Turns, where: str = "row") -> Turns:
+        """The full message list a prompt is rendered from: system, few-shot turns, the row's turns."""
+        return self._system(turns, where) + self._shot_turns() + list(turns)
+
+    def prompt(self, turns: Turns, where: str = "row") -> str:
+        if self.use_template:
+            return self._apply(self.messages(turns, where), True)
+        parts = [self.system_prompt] if self.system_prompt is not None else []
+        parts += [t["content"] for t in turns if t["role"] == "system"]
+        parts += [self.plain(t) + c for t, c in self.shots]
+        parts.append(self.plain(turns))
+        return "\n\n".join(parts)
+
+    def completion(self, turns: Turns, completion: str, where: str = "row") -> str:
+        """The SFT target for `completion` after this prompt (see the module docstring)."""
+        if not self.use_template:
+            return completion
+        msgs = self.messages(turns, where)
+        head = self._apply(msgs, True)
+        full = self._apply(msgs + [{"role": "assistant", "content": completion}], False)
+        if not full.startswith(head):
+            if not self._warned:
+                self._warned = True
+                logger.warning("%s: the chat template renders an assistant turn that does not extend its generation "
+                               "prompt; SFT completions are the raw completion text", where)
+            return completion
+        turn = full[len(head):]
+        eos = getattr(self.tokenizer, "eos_token", None)
+        cut = turn.rfind(eos) if eos else -1
+        return turn[:cut] if cut >= 0 else turn
+
+
+def prompt_lengths(tokenizer, prompts: Sequence[str], batch: int = 256) -> List[int]:
+    """Token counts of prompts as the rollout encodes them (no special tokens added)."""
+    out: List[int] = []
+    for i in range(0, len(prompts), batch):
+        out += [len(x) for x in tokenizer(list(prompts[i:i + batch]), add_special_tokens=False)["input_ids"]]
+    return out
