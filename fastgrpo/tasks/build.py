@@ -146,8 +146,9 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
             raise ValueError(f"{where0}: no 'prompt' or 'messages' column (the row has columns {sorted(first)[:12]}); "
                              f"map one with data.columns.prompt=<column>")
     prompt_field = "prompt" if "prompt" in cols else "messages"
+    present = set().union(*(r.keys() for r in train_rows))
     for f in ("answer", "tests", "id", "completion"):
-        if f not in cols and f in first:
+        if f not in cols and f in present:  # optional columns may be absent from some jsonl rows
             cols[f] = f
     if kind in ("math", "jsonl") and "answer" not in cols:
         _col(first, "answer", "answer", where0, False)

@@ -5,7 +5,8 @@ with hard timeouts; the extractor below replaces its default one).
 `answer_format` (data.answer_format):
 - `tags`: the last `<tag>…</tag>` (tag = data.answer_tag; a `\\boxed{}` inside it wins), as R1;
 - `boxed`: the last `\\boxed{…}` (braces matched), as MATH / DAPO;
-- `gsm8k`: the line after the last `####` (GSM8K's reference form "reasoning #### 42");
+- `gsm8k`: the number after the last `####` (GSM8K's reference form "reasoning #### 42"; the rest of
+  the line when it does not start with a number);
 - `last_number`: the last number of the text's last 4 KiB (thousands commas dropped);
 - `regex:<pattern>`: group 1 of the pattern's last match;
 - `auto`: tags, then boxed, then `####`, then an "Answer: …" / "the answer is …" line, then the
@@ -25,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from fastgrpo.rewards.math import answer_line, golds_parse, last_boxed, last_number, math_reward
 from fastgrpo.tasks.base import Problem, Task
 
-_COMMA_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_LEADING_NUMBER = re.compile(r"\$?\s*(-?\d[\d,]*(?:\.\d+)?)(?![\d/^.])")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)(/\d+)?$")
 _WORDS = re.compile(r"[A-Za-z]{2,}[ \t]+[A-Za-z]{2,}")  # two running words: prose, not a bare answer
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+(\{[^{}]*\})?")
@@ -49,8 +50,11 @@ def _gsm8k(text: str) -> Optional[str]:
     cut = text.rfind("####")
     if cut < 0:
         return None
-    line = text[cut + 4:].strip().split("\n", 1)[0].strip().strip("$").strip()
-    return (line.replace(",", "") if _COMMA_NUMBER.fullmatch(line) else line) or None
+    line = text[cut + 4:].strip().split("\n", 1)[0].strip()
+    m = _LEADING_NUMBER.match(line)  # "#### 72 clips" → 72, as lm-eval's gsm8k filter reads it
+    if m:
+        return m.group(1).replace(",", "")
+    return line.strip("$").strip() or None
 
 
 def _answer_line(text: str) -> Optional[str]:
