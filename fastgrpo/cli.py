@@ -39,11 +39,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one field, e.g. --set optimizer.lr=1e-4 (repeatable)")
         s.add_argument("--out", help="run folder (logging.out_dir); an existing one resumes")
         s.add_argument("--nvtx", action="store_true", help="emit an NVTX range per phase (Nsight Systems)")
+        s.add_argument("--verbose", action="store_true",
+                       help="show the libraries' logs (vLLM, transformers, …) instead of writing them to <run>/log.txt")
+        s.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its one-line message")
     return p
 
 
+def uses_demo(args) -> bool:
+    """The embedded demo's settings apply when there is no --config and model.path is not set
+    to anything but the demo's tiny model; a user's checkpoint starts from the library defaults
+    (fastgrpo/config.py: settings for a pretrained model)."""
+    from fastgrpo.config import parse_override
+
+    if args.config:
+        return False
+    path = "tiny"
+    for item in args.overrides:
+        keys, value = parse_override(item)
+        if keys == ["model", "path"] or (keys == ["model"] and isinstance(value, dict) and "path" in value):
+            path = value if keys == ["model", "path"] else value["path"]
+    return path == "tiny"
+
+
 def config_from_args(args):
-    """TrainConfig of parsed args: the embedded demo (or --config), --set, --out, --nvtx."""
+    """TrainConfig of parsed args: the embedded demo (or --config, or the library defaults for a
+    model.path of the user's), --set, --out, --nvtx; and which of the three it started from."""
     from fastgrpo.config import load_config
     from fastgrpo.demo.default import default_config
 
@@ -52,8 +72,10 @@ def config_from_args(args):
         overrides.append("logging.nvtx=true")
     out = args.out or f"runs/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.config:
-        return load_config(args.config, overrides + [f"logging.out_dir={out}"])
-    return default_config(overrides, out_dir=out)
+        return load_config(args.config, overrides + [f"logging.out_dir={out}"]), f"config file {args.config}"
+    if uses_demo(args):
+        return default_config(overrides, out_dir=out), "the embedded demo (fastgrpo/demo/default.py)"
+    return load_config(None, overrides + [f"logging.out_dir={out}"]), "the library defaults for a pretrained model"
 
 
 def strip_local_rank(argv: List[str]) -> List[str]:
@@ -91,10 +113,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv = ["train"] + argv  # `fastgrpo` alone (or with options only) runs the demo
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        log(f"fastgrpo: {e}", file=sys.stderr)
-        return 2
+        cfg, source = config_from_args(args)
+    except Exception as e:  # noqa: BLE001 — every expected failure of the config is one line
+        return _fail(e, args, log)
+    from fastgrpo.trainer.console import quiet_console
+
+    # every command may start an engine: the libraries' logs go to the run folder
+    logfile = quiet_console(cfg.logging.out_dir, verbose=args.verbose or not main_rank)
+    log(f"[fastgrpo] {args.command}: settings from {source}; run folder {cfg.logging.out_dir}"
+        + ("" if args.verbose else f" (library logs: {logfile})"))
     from fastgrpo import pipeline
     from fastgrpo.trainer.grpo import TrainingStopped
 
@@ -105,7 +132,48 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TrainingStopped as e:
         log(f"fastgrpo: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        log("fastgrpo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
+        if not _expected(e):
+            raise
+        return _fail(e, args, log)
     return 0
+
+
+def _expected(e: BaseException) -> bool:
+    """A failure of the user's input (config, files, data) rather than a bug of fastgrpo."""
+    import yaml
+
+    return isinstance(e, (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError,
+                          yaml.YAMLError))
+
+
+def _fail(e: BaseException, args, log) -> int:
+    """One line naming the problem (file, line, field), exit code 2; `--debug` adds the traceback."""
+    if not _expected(e):
+        raise e
+    if getattr(args, "debug", False):
+        import traceback
+
+        traceback.print_exception(e)
+    log(f"fastgrpo: {_one_line(e)}", file=sys.stderr)
+    return 2
+
+
+def _one_line(e: BaseException) -> str:
+    import yaml
+
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        m = e.problem_mark
+        return f"{m.name}:{m.line + 1}:{m.column + 1}: invalid YAML ({e.problem})"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text ({e.reason} at byte {e.start})"
+    if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)) and e.filename:
+        return f"{e.filename}: {e.strerror}"
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split("\n")[0].split()) if "\n" in text else text
 
 
 if __name__ == "__main__":

@@ -41,6 +41,23 @@ def _prepare(cfg: TrainConfig):
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
 
 
+def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
+    """(tokenizer, task, rewards) of a run, every input checked before the model or any engine
+    starts: the tokenizer and context of model.path, the task's rows (columns, chat template,
+    prompt lengths against the context, reference answers), the reward names and user
+    functions, SFT's need for reference completions. Raises ValueError naming the problem."""
+    from fastgrpo.rewards.registry import build_rewards
+    from fastgrpo.trainer.build import build_tokenizer
+
+    tok, ctx = build_tokenizer(cfg.model)
+    task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+    rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
+    if need_sft and not hasattr(task, "sft_completion") and not getattr(task, "has_completions", False):
+        raise ValueError(f"config sft_first=true: SFT needs a reference completion in every train row of {cfg.data.path} "
+                         "(map one with data.columns.completion), or set sft_first=false")
+    return tok, task, rewards
+
+
 def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
     from fastgrpo.trainer.sft import run_sft
 
@@ -65,27 +82,37 @@ def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
     log(f"[fastgrpo] SFT cold start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s")
 
 
+def _prompt_len(tok, problems) -> int:
+    texts = [p.prompt for p in problems]
+    return max((len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]), default=0) if texts else 0
+
+
 def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     """SFT (cfg.sft_first) → eval → GRPO for cfg.steps → eval; returns a summary dict."""
     from fastgrpo.trainer.grpo import Trainer
 
+    from fastgrpo.trainer.grpo import seed_everything
+
     t_start = time.perf_counter()
+    want_sft = cfg.sft_first and cfg.sft.steps > 0
+    _, task, _ = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
     _prepare(cfg)
     out = cfg.logging.out_dir
     dump_config(cfg, os.path.join(out, "config.yaml"))
-    from fastgrpo.trainer.grpo import seed_everything
-
     seed_everything(cfg.seed)
     model, tok = build_model(cfg.model)
-    task = build_task(cfg.data)
     resume_path = None
     if cfg.checkpoint.resume == "auto":
         resume_path = ckpt.latest_checkpoint(out)
     elif cfg.checkpoint.resume != "none":
         resume_path = cfg.checkpoint.resume
-    if cfg.sft_first and resume_path is None and cfg.sft.steps > 0:
+    ran_sft = False
+    if want_sft and resume_path is None:
         _sft_stage(cfg, model, tok, task, log)
+        ran_sft = True
+    start = "SFT checkpoint" if ran_sft else f"initial model {cfg.model.path}"
     trainer = Trainer(cfg, model, tok, task, log=log)
+    rewards = trainer.reward_fns
     before: Optional[float] = None
     summary: Dict[str, float] = {}
     try:
@@ -95,16 +122,16 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
             rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("step") == 0 and "eval/accuracy" in r]
             before = rows[-1]["eval/accuracy"] if rows else None
         elif task.heldout:
-            ev = evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
             trainer.metrics.log(0, ev)
             before = ev["eval/accuracy"]
-            log(f"[fastgrpo] held-out accuracy before RL (SFT checkpoint): {before:.3f}")
+            log(f"[fastgrpo] held-out accuracy before RL ({start}): {before:.3f}")
         bar = _progress(cfg.steps, trainer.step_num, "grpo", cfg.logging.progress and trainer.rank == 0)
 
         def on_step(step, m):
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and task.heldout:
                 trainer.sync_engine()  # evaluate the policy, not the weights of the last sync
-                trainer.metrics.log(step, evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout))
+                trainer.metrics.log(step, evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m.get('reward/mean', 0):.3f}", acc=f"{m.get('train/accuracy', 0):.2f}",
@@ -118,12 +145,12 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
             trainer.sync_engine()
-            ev = evaluate(trainer.engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
             trainer.metrics.log(trainer.step_num, ev)
             summary["accuracy_after"] = ev["eval/accuracy"]
             summary["accuracy_before"] = before
-            log(f"[fastgrpo] held-out accuracy: {before if before is None else round(before, 3)} after SFT → "
-                f"{ev['eval/accuracy']:.3f} after {trainer.step_num} GRPO steps")
+            log(f"[fastgrpo] held-out accuracy: {before if before is None else round(before, 3)} "
+                f"({'resumed run' if resume_path else start}) → {ev['eval/accuracy']:.3f} after {trainer.step_num} GRPO steps")
     finally:
         trainer.close()
     if cfg.logging.plots and trainer.rank == 0:
@@ -144,14 +171,14 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import seed_everything
 
     seed_everything(cfg.seed)
+    _, task, rewards = load_run(cfg, log, need_sft=True)
     model, tok = build_model(cfg.model)
-    task = build_task(cfg.data)
     cfg.checkpoint.resume = "none"
     _sft_stage(cfg, model, tok, task, log)
     out = {}
     if task.heldout:
-        engine = build_rollout_engine(cfg.rollout, model, tok)
-        out = evaluate(engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+        engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
+        out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout)
         log(f"[fastgrpo] held-out accuracy after SFT: {out['eval/accuracy']:.3f}")
     return out
 
@@ -159,10 +186,13 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 def run_eval(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     """`fastgrpo eval`: held-out accuracy and pass@k of model.path (a run folder works)."""
     _prepare(cfg)
+    _, task, rewards = load_run(cfg, log)
+    if not task.heldout:
+        raise ValueError("fastgrpo eval: the task has no held-out split (data.eval_path, data.eval_fraction or "
+                         "data.eval_split; the built-in task: data.num_heldout)")
     model, tok = build_model(cfg.model)
-    task = build_task(cfg.data)
-    engine = build_rollout_engine(cfg.rollout, model, tok)
-    out = evaluate(engine, task.heldout, task.reward_fns(), cfg.eval, cfg.rollout)
+    engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
+    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout)
     for k, v in out.items():
         log(f"{k}: {v:.4f}")
     return out
@@ -178,8 +208,8 @@ def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     _prepare(cfg)
     cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.resume = 0, False, "none"
     seed_everything(cfg.seed)
+    _, task, _ = load_run(cfg, log, need_sft=cfg.sft_first and cfg.sft.steps > 0)
     model, tok = build_model(cfg.model)
-    task = build_task(cfg.data)
     if cfg.sft_first and cfg.sft.steps > 0:
         run_sft(cfg, model, tok, task)
     trainer = Trainer(cfg, model, tok, task, log=log)

@@ -57,19 +57,46 @@ def resolve_model_dir(path: str) -> str:
         return os.path.join(latest, "model")
     if os.path.isdir(os.path.join(path, "sft", "model")):
         return os.path.join(path, "sft", "model")
-    if not os.path.exists(path) and not path.count("/") == 1:
+    local = os.path.isabs(path) or path.startswith(".") or path.startswith("~")
+    if not os.path.exists(path) and (local or path.count("/") != 1):
         raise ValueError(f"model.path={path!r}: expected 'tiny', a HF model directory or id, or a fastgrpo run / checkpoint folder")
     return path
 
 
-def build_task(dcfg: DataConfig):
+def build_tokenizer(mcfg: ModelConfig):
+    """(tokenizer, context length or None) of model.path without loading the weights: the task
+    is formatted and checked with it before the model or any engine starts."""
+    if mcfg.path == "tiny":
+        from fastgrpo.models.tiny import build_char_tokenizer
+
+        return build_char_tokenizer(), None
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_dir(mcfg.path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        mc = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model.path={mcfg.path!r}: cannot load its tokenizer / config ({first})") from None
+    ctx = getattr(mc, "max_position_embeddings", None)
+    return tok, (int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
+
+
+def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = None, max_new_tokens: int = 0):
+    """The task of `data`: the built-in arithmetic task, or a dataset (fastgrpo.tasks.build)
+    formatted with `tokenizer` (its chat template) and checked against `context_len`."""
     if dcfg.task == "arithmetic" or (dcfg.task == "auto" and not dcfg.path):
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
-    from fastgrpo.tasks.jsonl import JsonlTask
+    try:
+        from fastgrpo.tasks.build import build_task as build_data_task
+    except ImportError:  # pragma: no cover - the loaders module is part of the package
+        from fastgrpo.tasks.jsonl import JsonlTask
 
-    return JsonlTask(dcfg.path, dcfg.eval_path)
+        return JsonlTask(dcfg.path, dcfg.eval_path)
+    return build_data_task(dcfg, tokenizer=tokenizer, context_len=context_len, max_new_tokens=max_new_tokens)
 
 
 def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):

@@ -36,9 +36,14 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
     k = ecfg.num_samples
     sampling = sampling_config(rcfg, temperature=ecfg.temperature, seed=1234 if ecfg.temperature > 0 else None)
     groups = engine.generate([p.prompt for p in problems], n=k, sampling=sampling)
-    texts = [c.text for g in groups for c in g]
-    answers = [p.answer for p in problems for _ in range(k)]
-    acc = np.asarray([0.0 if v is None else float(v) for v in reward_fns["accuracy"](texts, answers)]).reshape(-1, k)
+    from fastgrpo.rewards.registry import RewardInputs, call_reward
+
+    comps = [c for g in groups for c in g]
+    inputs = RewardInputs(completions=[c.text for c in comps], problems=[p for p in problems for _ in range(k)],
+                          lengths=[len(c.token_ids) for c in comps],
+                          truncated=[getattr(c, "finish_reason", "stop") == "length" for c in comps],
+                          completion_ids=[list(c.token_ids) for c in comps], group_size=k)
+    acc = np.asarray([0.0 if v is None else float(v) for v in call_reward(reward_fns["accuracy"], inputs)]).reshape(-1, k)
     out = {"eval/accuracy": float(acc.mean()), f"eval/pass@{k}": float((acc.max(axis=1) > 0).mean()),
            "eval/num_problems": float(len(problems))}
     correct = (acc > 0).sum(axis=1)
@@ -47,6 +52,8 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
             raise ValueError(f"eval.pass_k: {kk} is not in [1, eval.num_samples={k}]")
         out[f"eval/pass@{kk}"] = float(np.mean([pass_at_k(k, int(c), int(kk)) for c in correct]))
     if "format" in reward_fns:
-        out["eval/format"] = float(np.mean([0.0 if v is None else float(v) for v in reward_fns["format"](texts, answers)]))
+        out["eval/format"] = float(np.mean([0.0 if v is None else float(v) for v in call_reward(reward_fns["format"], inputs)]))
     out["eval/length_mean"] = float(np.mean([len(c.token_ids) for g in groups for c in g]))
+    # completions cut by the cap: a held-out accuracy with many of them measures the cap, not the model
+    out["eval/truncated"] = float(np.mean(inputs.truncated)) if comps else 0.0
     return out
