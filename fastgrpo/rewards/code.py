@@ -1,5 +1,6 @@
-"""Code reward: run model-written Python against hidden unit tests in the sandbox (sandbox.py),
-in parallel on the reward pool.
+"""Code reward: run model-written Python against hidden unit tests in the sandbox (sandbox/: the
+tests run in a judge process, the solution in another, see sandbox/judge.py), in parallel on the
+reward pool.
 
 Follows the RLVR code-reward recipe of DeepSeek-R1 / Kimi K1.5 / DeepCoder (binary reward: all
 hidden tests pass), with the fractional variant (share of passing asserts) as an option; the

@@ -125,3 +125,66 @@ def test_disk_filler_is_capped(check):
 def test_cwd_is_private_and_writable(pool):
     code = "import os\nopen('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\nCWD = os.getcwd()"
     assert run_one(pool, code, "assert add(1, 2) == 3\nassert os.access(CWD, os.W_OK)")[0] == 1.0
+
+
+def _probe_writes(dirs):
+    """Solution code that writes a probe file into each of `dirs`; RES maps dir → 'ok' or the error."""
+    return ("import os\nRES = {}\n"
+            f"for d in {list(dirs)!r}:\n"
+            "    try:\n"
+            "        with open(os.path.join(d, 'fastgrpo-probe'), 'w') as f:\n"
+            "            f.write('x' * 4096)\n"
+            "        RES[d] = 'ok'\n"
+            "    except OSError as e:\n"
+            "        RES[d] = e.strerror\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="private mounts need root (the unprivileged sandbox has none)")
+def test_world_writable_dirs_are_private(tmp_path):
+    """Every world-writable directory is found at start (here /run/lock and one made for this
+    test, neither in a fixed list) and gets a private tmpfs: the write succeeds inside and never
+    reaches the host. One deeper than the scan is read-only instead. The host stays writable."""
+    from fastgrpo.rewards import RewardPool
+
+    made = f"/var/fastgrpo-ww-{os.getpid()}"
+    deep = os.path.join(made + "-deep", "a", "b", "c", "d")
+    shallow = [d for d in ("/run/lock", made) if d == made or os.path.isdir(d)]
+    try:
+        os.makedirs(made)
+        os.chmod(made, 0o1777)
+        os.makedirs(deep)
+        os.chmod(deep, 0o1777)
+        with RewardPool(num_workers=1) as p:  # a fresh worker: it enumerates the view anew
+            code = _probe_writes(shallow + [deep])
+            tests = "".join(f"assert RES[{d!r}] == 'ok'\n" for d in shallow)
+            tests += f"assert RES[{deep!r}] == 'Read-only file system', RES"
+            scores, why = code_reward([code], [tests], pool=p, timeout=TIMEOUT, limits=LIMITS, return_reasons=True)
+            assert scores == [1.0], why
+        for d in shallow + [deep]:
+            assert not os.path.exists(os.path.join(d, "fastgrpo-probe")), d
+        assert not os.statvfs("/").f_flag & os.ST_RDONLY  # the remount stayed inside the sandbox
+    finally:
+        for d in shallow + [deep]:
+            if os.path.exists(os.path.join(d, "fastgrpo-probe")):
+                os.remove(os.path.join(d, "fastgrpo-probe"))
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
+        shutil.rmtree(made + "-deep", ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="private mounts need root (the unprivileged sandbox has none)")
+def test_sysv_shared_memory_dies_with_the_run(pool):
+    """A SysV segment created by a run (not a file: no tmpfs covers it) lives in the run's own
+    IPC namespace and is gone afterwards."""
+    def segments():
+        with open("/proc/sysvipc/shm") as f:
+            return f.read().splitlines()[1:]
+
+    before = segments()
+    code = ("import ctypes\nlc = ctypes.CDLL(None, use_errno=True)\n"
+            "SHM = lc.shmget(0x5eed, 1 << 20, 0o1666)\n")  # IPC_CREAT | 0666
+    scores, why = code_reward([code], ["assert SHM >= 0"], pool=pool, timeout=TIMEOUT, limits=LIMITS,
+                              return_reasons=True)
+    assert scores == [1.0], why
+    assert segments() == before

@@ -11,22 +11,32 @@ the kernel instead of by monkey-patching `os` inside the child:
   pid, which makes the process cap real and lets us kill every process of that uid afterwards,
   even ones that called setsid() to leave the process group);
 - no network: the pool worker sits in a new empty network namespace (see pool.py);
-- a private mount namespace with fresh size-capped tmpfs over /tmp, /var/tmp and /dev/shm, so
-  writes there vanish with the run; the cwd is a fresh directory in that /tmp owned by the
-  sandbox uid (without root: a fresh host temporary directory);
+- private mount and IPC namespaces (mounts.py): every real file system is remounted read-only
+  and each world-writable directory of the view (enumerated by a walk at start: /tmp, /var/tmp,
+  /dev/shm, /run/lock ... whatever this host has) gets a fresh size-capped tmpfs, so writes
+  vanish with the run; SysV shared memory and message queues die with the IPC namespace; the
+  cwd is a fresh directory in the private /tmp owned by the sandbox uid (without root: a fresh
+  host temporary directory);
 - a scrubbed environment (PATH, HOME, LANG only) and `python -I` (no PYTHON* variables, no user
   site); /proc/<pid>/environ of root processes is unreadable to the sandbox uid;
 - a wall-clock timeout and capped output (reading stops at `max_output_bytes`: the run fails);
-- the verdict comes on a separate pipe tagged with a per-run random nonce, and only after the
-  tests ran: `os._exit(0)` or printing "PASSED" from the solution cannot fake a pass.
+- the tests run in a judge process apart from the solution (judge.py): the solution's process
+  never holds the tests, the verdict pipe or its per-run nonce, and results reach the judge only
+  as plain data, so patching builtins, forging `__eq__`, reading frames or gc, printing fake
+  verdicts or exiting early cannot raise a score.
 
-Departures / limits: no seccomp filter, files outside the tmpfs mounts stay readable where they
-are world-readable, and a solution that deliberately introspects the harness (gc, frames) could
-find the nonce. `isolation_level()` reports what is actually in force. Without root the
-sandbox keeps the network namespace (inside an unprivileged user namespace), rlimits, the
-process group and the scrubbed env, but has no uid of its own: RLIMIT_NPROC then counts all of
-the user's processes, a child that leaves the process group survives the kill, and /tmp is the
-host's. Bubblewrap is not used: as root the namespaces above are set up directly, and without
+Departures / limits: no seccomp filter; files outside the tmpfs mounts stay readable where they
+are world-readable; a world-writable directory deeper than the enumeration walk (four levels
+below a mount point) is read-only rather than private, and a mount that refuses the read-only
+remount (some FUSE file systems) stays as writable as it was for the sandbox uid; the judge and
+the solution share the sandbox uid, so the solution can kill or stop the judge (that scores 0:
+no verdict) but not read or write its memory (the judge is non-dumpable). `isolation_level()`
+reports what is actually in force. Without root the sandbox keeps the network namespace (inside
+an unprivileged user namespace), rlimits, the process group, the scrubbed env and the judge,
+but has no uid, mounts or IPC namespace of its own: RLIMIT_NPROC then counts all of the user's
+processes, a child that leaves the process group survives the kill, /tmp and every file the
+user may write are the host's (so a solution could also plant code that later runs as that
+user). Bubblewrap is not used: as root the namespaces above are set up directly, and without
 root it would rely on the same unprivileged user namespaces.
 """
 from __future__ import annotations
@@ -44,11 +54,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fastgrpo.rewards.sandbox import judge
+from fastgrpo.rewards.sandbox.mounts import apply_view, view_plan
 from fastgrpo.rewards.sandbox.procs import PR_SET_PDEATHSIG, WORKER_STATE, kill_uid, libc, reap_children
 
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
 MS_REC, MS_PRIVATE = 16384, 1 << 18
-_TMPFS_TARGETS = (b"/tmp", b"/var/tmp", b"/dev/shm")
 
 # The harness (judge.py) reads one JSON job from stdin, runs the solution in a forked host
 # process and the tests itself, and writes "<nonce> T <i> <0|1>" per assert and
@@ -134,29 +144,33 @@ def sandbox_python(drop_privileges: bool) -> Optional[str]:
 
 
 def isolation_level() -> str:
-    """What the sandbox enforces in this process, e.g. 'netns+mountns+setuid+rlimits+pgroup'."""
+    """What the sandbox enforces in this process, e.g.
+    'netns+mountns+rofs+ipcns+setuid+rlimits+pgroup'."""
     parts = []
     if WORKER_STATE.get("netns"):
         parts.append("netns" if WORKER_STATE.get("root") else "userns+netns")
     if WORKER_STATE.get("root"):
-        parts += ["mountns", "setuid"]
+        parts += ["mountns", "rofs", "ipcns", "setuid"]
     parts += ["rlimits", "pgroup"]
     return "+".join(parts)
 
 
-def _preexec(limits: SandboxLimits, uid: Optional[int], home: str):
+def _preexec(limits: SandboxLimits, uid: Optional[int], home: str, view=None):
     import resource
 
     def apply():
         os.setsid()
         if uid is not None:
             lc = libc()
-            # Private mount namespace; refuse to mount anything unless propagation is private,
-            # otherwise the tmpfs would cover /tmp for the whole host.
-            if lc.unshare(CLONE_NEWNS) == 0 and lc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-                opts = b"size=%dm,mode=1777" % limits.tmpfs_mb
-                mounted = [lc.mount(b"tmpfs", t, b"tmpfs", 0, opts) == 0 for t in _TMPFS_TARGETS if os.path.isdir(t)]
-                if mounted and mounted[0]:
+            # Private mount and IPC namespaces (SysV shm / message queues of a run die with it);
+            # refuse to mount anything unless propagation is private, otherwise the mounts
+            # would reach the whole host.
+            if ((lc.unshare(CLONE_NEWNS | CLONE_NEWIPC) == 0 or lc.unshare(CLONE_NEWNS) == 0)
+                    and lc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0):
+                # every real file system read-only, a private tmpfs over each world-writable
+                # directory (mounts.py): nothing the run writes outlives it
+                private, _ = apply_view(lc, view, limits.tmpfs_mb)
+                if b"/tmp" in private:
                     # The working directory moves into the fresh /tmp: what the run writes is
                     # capped at tmpfs_mb in memory and never touches the host's disk.
                     os.mkdir(home, 0o700)
@@ -212,7 +226,8 @@ def run_python(code: str, tests: str, timeout: float = 5.0, limits: Optional[San
             return SandboxResult(0, 0, 0, False, "sandbox_error:no_python", 0.0, b"")
         proc = subprocess.Popen(_judge_argv(python), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                                pass_fds=(w_fd,), preexec_fn=_preexec(limits, uid, home), close_fds=True)
+                                pass_fds=(w_fd,), close_fds=True,
+                                preexec_fn=_preexec(limits, uid, home, view_plan() if uid is not None else None))
         os.close(w_fd)
         w_fd = -1
         return _collect(proc, job, r_fd, nonce, timeout, limits, uid, t0)
