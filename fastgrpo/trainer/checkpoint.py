@@ -3,7 +3,8 @@
 A checkpoint is `<out>/checkpoints/step-00000012/` holding `model/` (HF `save_pretrained`, so
 vLLM / from_pretrained / `fastgrpo eval` load it directly), `state.pt` (optimizer, scheduler,
 curriculum, trainer extras, RNG states of python / numpy / torch / CUDA) and `meta.json`
-(step; written last). The directory is first built as `.tmp-step-…-<pid>` and then renamed:
+(step), then `checksums.json` (sha256 and size of every other file; written last, verified on
+load: a flipped byte or a truncated file is caught before it is trained on). The directory is first built as `.tmp-step-…-<pid>` and then renamed:
 rename(2) within one file system is atomic, so a process killed at any instant (kill -9) leaves
 either the previous checkpoints only or the new complete one — never a half-written
 `step-…`. Temp directories left by a killed writer are removed by the next save. Pruning keeps
@@ -16,21 +17,39 @@ partition (DeepSpeed's own `engine.save_checkpoint` layout, under `engine/`) and
 (`rng-rank<r>.pt`) into the one temp directory of rank 0 (`shards=`), before the rename — so
 the checkpoint is still complete or absent, never partial. That needs a file system shared by
 the ranks (one node, or a shared mount), as DeepSpeed's own checkpoints do.
+
+Resume takes the newest checkpoint that verifies (`latest_checkpoint`) and says which newer ones
+it skipped and why (the file, and whether it is missing, truncated or changed); a load error of
+torch or safetensors is re-raised as a `CheckpointError` (a ValueError) naming the file. Hashing
+reads every byte once per save and once per resume (sha256: ~1-2 GB/s on one core). The same
+temp-then-rename scheme, with the checksum file as the completeness marker, saves HF model
+folders (`save_model_atomic` / `is_complete_model_dir`, for the SFT model) and single files
+(`atomic_write_text`, e.g. config.yaml).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 _NAME = re.compile(r"^step-(\d{8})$")
 _OLD = re.compile(r"^step-(\d{8})\.old-(\d+)$")
+CHECKSUMS = "checksums.json"  # in a checkpoint: sha256 + size of every other file, written last
+MODEL_MARKER = "fastgrpo_complete.json"  # the same, in a model folder saved by save_model_atomic
+logger = logging.getLogger("fastgrpo.checkpoint")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model folder that fails its integrity check or does not load; the message
+    names the file."""
 
 
 def ckpt_root(out_dir: str) -> str:
@@ -122,9 +141,120 @@ def _recover_swaps(root: str) -> None:
             os.rename(path, final)
 
 
-def latest_checkpoint(out_dir: str) -> Optional[str]:
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: str, skip: str) -> List[str]:
+    """Every regular file under root, as sorted relative paths (except `skip`)."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if rel != skip:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_checksums(root: str, name: str = CHECKSUMS) -> None:
+    """Write `name` in `root`: the sha256 and size of every other file below it. Written last,
+    it is the completeness marker too: a folder without it is not trusted."""
+    files = {rel: {"sha256": _sha256(os.path.join(root, rel)), "bytes": os.path.getsize(os.path.join(root, rel))}
+             for rel in _files(root, name)}
+    with open(os.path.join(root, name), "w") as f:
+        json.dump({"format": 1, "algorithm": "sha256", "files": files}, f, indent=0)
+
+
+def _signature(root: str) -> Tuple:
+    out = []
+    for rel in _files(root, ""):
+        st = os.stat(os.path.join(root, rel))
+        out.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+# folder → signature (names, sizes, mtimes, inodes) when it last verified: resume verifies a
+# checkpoint once although `latest_checkpoint` and `load_checkpoint` both ask
+_VERIFIED: Dict[str, Tuple] = {}
+
+
+def verify_dir(root: str, name: str = CHECKSUMS, hashes: bool = True) -> Optional[str]:
+    """None when every file listed in `root/name` is there with its size (and, with `hashes`,
+    its sha256); otherwise what is wrong, naming the file."""
+    marker = os.path.join(root, name)
+    try:
+        with open(marker) as f:
+            files = json.load(f)["files"]
+        items = [(str(rel), int(v["bytes"]), str(v["sha256"])) for rel, v in files.items()]
+    except FileNotFoundError:
+        return f"{marker} is missing (the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{marker} is unreadable ({type(e).__name__}: {e})"
+    key = os.path.abspath(root)
+    try:
+        sig = _signature(root)
+    except OSError as e:
+        return f"{root}: {e}"
+    if hashes and _VERIFIED.get(key) == sig:
+        return None
+    for rel, size, digest in items:
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        got = os.path.getsize(path)
+        if got != size:
+            return f"{path} is {'truncated' if got < size else 'longer than saved'} ({got} bytes, saved {size})"
+    if hashes:
+        for rel, size, digest in items:
+            path = os.path.join(root, rel)
+            if _sha256(path) != digest:
+                return f"{path} does not match its sha256 (saved {digest[:16]}…): changed or damaged after the save"
+        _VERIFIED[key] = sig
+    return None
+
+
+def verify_checkpoint(path: str) -> Optional[str]:
+    """None when checkpoint `path` is intact, else the reason naming the file. A checkpoint
+    saved before checksums existed is checked by loading its state and weights."""
+    meta = os.path.join(path, "meta.json")
+    try:
+        with open(meta) as f:
+            fmt = int(json.load(f).get("format", 1))
+    except FileNotFoundError:
+        return f"{meta} is missing (not a complete checkpoint)"
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        return f"{meta} is unreadable ({type(e).__name__}: {e})"
+    if fmt >= 2 or os.path.exists(os.path.join(path, CHECKSUMS)):
+        return verify_dir(path)
+    try:
+        _torch_load(os.path.join(path, "state.pt"))
+        load_model_state(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def latest_checkpoint(out_dir: str, log: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """The newest checkpoint of `out_dir` that verifies; each newer one that does not is
+    skipped with a message (to `log`, else the `fastgrpo.checkpoint` logger) naming its bad
+    file. None when there is no checkpoint; CheckpointError when none of them verifies."""
     ckpts = list_checkpoints(out_dir)
-    return ckpts[-1] if ckpts else None
+    skipped = []
+    for path in reversed(ckpts):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path
+        skipped.append(why)
+        msg = f"[fastgrpo] checkpoint {path} skipped: {why}; trying the one before"
+        (log or logger.warning)(msg)
+    if ckpts:
+        raise CheckpointError(f"{ckpt_root(out_dir)}: none of the {len(ckpts)} checkpoints verifies "
+                              f"({'; '.join(skipped)}); move them aside to start over, or restore one")
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -172,7 +302,9 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last={keep_last!r}: expected an integer >= 1")
     root = ckpt_root(out_dir)
-    os.makedirs(root, exist_ok=True)
+    if not os.path.isdir(root):
+        os.makedirs(root, exist_ok=True)
+        _fsync_dir(out_dir)  # the new checkpoints/ entry itself survives a power cut
     _remove_stale_tmp(root)
     _recover_swaps(root)
     final = os.path.join(root, f"step-{step:08d}")
@@ -200,7 +332,8 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
         }
         torch.save(state, os.path.join(tmp, "state.pt"))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "format": 1}, f)
+            json.dump({"step": step, "format": 2}, f)  # 2: with checksums.json
+        write_checksums(tmp)  # last: it covers every file above, the other ranks' shards included
         _fsync_tree(tmp)
     except BaseException:
         # a failed write (a rank died inside `shards`, disk full) leaves only the complete
@@ -220,6 +353,76 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
     return final
 
 
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a small file (config.yaml, a pointer) as temp file + fsync + rename + fsync of the
+    folder: readers see the old content or the new, never a torn one."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(d)
+
+
+def is_complete_model_dir(path: str, verify: bool = False) -> bool:
+    """True when `path` is a model folder written completely by `save_model_atomic`: its marker
+    lists every file with its size (and, with `verify`, its sha256), config.json among them. A
+    folder torn by a kill or a full disk, or saved by something else, is not complete."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return verify_dir(path, MODEL_MARKER, hashes=verify) is None
+
+
+def save_model_atomic(model, tokenizer, path: str, **save_kwargs) -> str:
+    """`model.save_pretrained(path)` (+ the tokenizer) that a kill -9 or ENOSPC at any moment
+    leaves either the previous folder or none, never a half-written one: the folder is built as
+    a temp sibling `.tmp-<name>-<pid>`, the marker (`fastgrpo_complete.json`: sha256 + size of
+    every file) written last, fsynced, then renamed over `path` (the previous copy is swapped
+    out and deleted). Temp folders of dead writers are removed first. Returns `path`."""
+    path = os.path.abspath(path)
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    for entry in os.listdir(parent):  # leftovers of killed saves of this folder
+        for prefix in (f".tmp-{name}-", f".old-{name}-"):
+            if entry.startswith(prefix):
+                pid = entry[len(prefix):]
+                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                    old = os.path.join(parent, entry)
+                    if prefix.startswith(".old") and not os.path.exists(path) and is_complete_model_dir(old):
+                        os.rename(old, path)  # killed between the two renames: put it back
+                    else:
+                        shutil.rmtree(old, ignore_errors=True)
+    tmp = os.path.join(parent, f".tmp-{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_kwargs.setdefault("safe_serialization", True)
+        model.save_pretrained(tmp, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_checksums(tmp, MODEL_MARKER)
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        old = os.path.join(parent, f".old-{name}-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(parent)
+    return path
+
 def _prune(out_dir: str, keep_last: int, keep: str) -> None:
     ckpts = list_checkpoints(out_dir)
     doomed = [p for p in ckpts[:-keep_last] if p != keep and p != ckpts[-1]]
@@ -230,38 +433,63 @@ def _prune(out_dir: str, keep_last: int, keep: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def _torch_load(path: str, weights_only: bool = False):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # torn zip, pickle garbage, ...: name the file, not just torch's reason
+        raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from e
+
+
+def _safetensors_load(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # SafetensorError (header / size), OSError
+        raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from e
+
+
 def load_model_state(path: str) -> Dict[str, torch.Tensor]:
     """The model weights of a checkpoint directory as a state dict."""
     mdir = os.path.join(path, "model")
     st = os.path.join(mdir, "model.safetensors")
     if os.path.exists(st):
-        from safetensors.torch import load_file
-
-        return load_file(st)
+        return _safetensors_load(st)
     index = os.path.join(mdir, "model.safetensors.index.json")
     if os.path.exists(index):  # save_pretrained shards models over its max_shard_size
-        from safetensors.torch import load_file
-
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is unreadable ({type(e).__name__}: {e})") from e
         state: Dict[str, torch.Tensor] = {}
         for name in files:
-            state.update(load_file(os.path.join(mdir, name)))
+            state.update(_safetensors_load(os.path.join(mdir, name)))
         return state
     pt = os.path.join(mdir, "model.pt")
     if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
-    raise ValueError(f"checkpoint {path}: no model/model.safetensors, model/model.safetensors.index.json or model/model.pt inside")
+        return _torch_load(pt, weights_only=True)
+    raise CheckpointError(f"checkpoint {path}: no model/model.safetensors, model/model.safetensors.index.json or "
+                          "model/model.pt inside")
 
 
 def load_checkpoint(path: str, model=None, optimizer=None, scheduler=None, curriculum=None,
-                    restore_rng: bool = True) -> Dict[str, Any]:
-    """Restore what is given from checkpoint `path`; returns the state dict (step, extra, …)."""
+                    restore_rng: bool = True, verify: bool = True) -> Dict[str, Any]:
+    """Restore what is given from checkpoint `path`; returns the state dict (step, extra, …).
+    The checkpoint is verified first (CheckpointError naming the bad file, nothing restored)."""
     if not os.path.exists(os.path.join(path, "meta.json")):
-        raise ValueError(f"checkpoint {path!r}: not a complete checkpoint (no meta.json)")
-    state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+        raise CheckpointError(f"checkpoint {path!r}: not a complete checkpoint (no meta.json)")
+    if verify:
+        why = verify_checkpoint(path)
+        if why is not None:
+            raise CheckpointError(f"checkpoint {path}: {why}")
+    state = _torch_load(os.path.join(path, "state.pt"))
+    weights = load_model_state(path) if model is not None else None
     if model is not None:
-        weights = load_model_state(path)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         # tied embeddings are saved once: a missing lm_head.weight tied to the input embedding is fine
         tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()

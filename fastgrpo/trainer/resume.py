@@ -1,7 +1,9 @@
 """Checkpoint and resume of `fastgrpo.trainer.grpo.Trainer` (a mixin: the methods read and set the
-trainer's state). Files are written by `fastgrpo.trainer.checkpoint` (atomic temp directory + rename);
-with several ranks every rank adds its own RNG state, and under DeepSpeed its optimizer
-partition, into rank 0's temp directory before the rename.
+trainer's state). Files are written by `fastgrpo.trainer.checkpoint` (atomic temp directory + rename,
+checksums written last); with several ranks every rank adds its own RNG state, and under
+DeepSpeed its optimizer partition, into rank 0's temp directory before the rename. Resume
+verifies the checkpoint before restoring anything; `checkpoint.resume=auto` takes the newest
+one that verifies and logs each newer one it skipped, naming the damaged file.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class CheckpointMixin:
             self.backend.load_checkpoint(os.path.join(path, "engine"))
         mine = os.path.join(path, f"rng-rank{self.rank}.pt")
         if os.path.exists(mine):  # each rank's own RNG stream (state.pt holds rank 0's)
-            ckpt.set_rng_state(torch.load(mine, map_location="cpu", weights_only=False))
+            ckpt.set_rng_state(ckpt._torch_load(mine))
         self.step_num = int(state["step"])
         self.nan_skips = int(state["extra"].get("nan_skips", 0))
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
@@ -93,7 +95,8 @@ class CheckpointMixin:
         mode = self.cfg.checkpoint.resume
         if mode == "none":
             return None
-        path = ckpt.latest_checkpoint(self.cfg.logging.out_dir) if mode == "auto" else mode
+        # auto: the newest checkpoint that verifies (each newer, damaged one is logged and skipped)
+        path = ckpt.latest_checkpoint(self.cfg.logging.out_dir, log=self.log) if mode == "auto" else mode
         if path is None:
             return None
         self.resume(path)

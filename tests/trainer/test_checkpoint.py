@@ -215,3 +215,197 @@ def test_resume_with_an_engine_behind_the_policy_continues_exactly(cfg_factory, 
     assert e.maybe_resume() == stale_path
     assert any("behind the policy" in m for m in msgs)
     e.close()
+
+
+# -- integrity: checksums written last, verified on load, fallback to the newest intact one --
+
+def _three_checkpoints(out):
+    m = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for s in (1, 2, 3):
+        with torch.no_grad():
+            m.weight.fill_(float(s))
+        ckpt.save_checkpoint(out, s, m, opt, extra={"big": torch.full((1000,), float(s))}, keep_last=5)
+    return ckpt.list_checkpoints(out)
+
+
+def _flip(path, at=None):
+    with open(path, "r+b") as f:
+        size = os.path.getsize(path)
+        f.seek(size // 2 if at is None else at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("damage", ["flip model.pt", "flip state.pt", "truncate state.pt", "truncate model.pt",
+                                    "delete checksums.json", "flip checksums.json"])
+def test_damaged_latest_checkpoint_falls_back_naming_the_file(tmp_path, damage):
+    out = str(tmp_path)
+    paths = _three_checkpoints(out)
+    how, name = damage.split()
+    target = os.path.join(paths[-1], "model", name) if name == "model.pt" else os.path.join(paths[-1], name)
+    {"flip": _flip, "truncate": _truncate, "delete": os.remove}[how](target)
+    msgs = []
+    assert ckpt.latest_checkpoint(out, log=msgs.append) == paths[-2]
+    # a flipped byte in checksums.json itself breaks its JSON or one digest: either file is named
+    named = ("checksums.json", "state.pt", "model.pt", "meta.json") if damage == "flip checksums.json" else (name,)
+    assert len(msgs) == 1 and any(n in msgs[0] for n in named) and "step-00000003" in msgs[0] and "skipped" in msgs[0], msgs
+    with pytest.raises(ckpt.CheckpointError, match="|".join(n.replace(".", r"\.") for n in named)):
+        ckpt.load_checkpoint(paths[-1], torch.nn.Linear(16, 16), restore_rng=False)
+    back = torch.nn.Linear(16, 16)
+    assert ckpt.load_checkpoint(paths[-2], back, restore_rng=False)["step"] == 2 and torch.all(back.weight == 2.0)
+
+
+def test_flipped_byte_in_model_safetensors_is_caught(tmp_path):
+    from fastgrpo.models.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("llama", seed=0)
+    out = str(tmp_path)
+    first = ckpt.save_checkpoint(out, 1, model, keep_last=3)
+    second = ckpt.save_checkpoint(out, 2, model, keep_last=3)
+    st = os.path.join(second, "model", "model.safetensors")
+    _flip(st, at=os.path.getsize(st) - 7)  # inside the tensor data: safetensors itself loads it happily
+    from safetensors.torch import load_file
+
+    load_file(st)  # the control: without checksums this damage is silent
+    msgs = []
+    assert ckpt.latest_checkpoint(out, log=msgs.append) == first
+    assert "model.safetensors" in msgs[0] and "sha256" in msgs[0], msgs
+    fresh, _ = build_tiny_model("llama", seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors"):
+        ckpt.load_checkpoint(second, fresh, restore_rng=False)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    """Without checksums (a checkpoint of an older version) a torn file still fails with its
+    name, and is skipped by latest_checkpoint."""
+    out = str(tmp_path)
+    paths = _three_checkpoints(out)
+    for s, p in enumerate(paths, 1):  # as an older version wrote them: format 1, no checksums
+        os.remove(os.path.join(p, ckpt.CHECKSUMS))
+        with open(os.path.join(p, "meta.json"), "w") as f:
+            f.write('{"step": %d, "format": 1}' % s)
+    _truncate(os.path.join(paths[-1], "state.pt"))
+    with pytest.raises(ckpt.CheckpointError, match=r"state\.pt does not load"):
+        ckpt.load_checkpoint(paths[-1], restore_rng=False)
+    msgs = []
+    assert ckpt.latest_checkpoint(out, log=msgs.append) == paths[-2] and "state.pt" in msgs[0]
+
+
+def test_no_intact_checkpoint_is_an_error_naming_them(tmp_path):
+    out = str(tmp_path)
+    for p in _three_checkpoints(out):
+        _flip(os.path.join(p, "state.pt"))
+    with pytest.raises(ckpt.CheckpointError, match="none of the 3 checkpoints verifies"):
+        ckpt.latest_checkpoint(out, log=lambda m: None)
+    assert ckpt.latest_checkpoint(str(tmp_path / "empty")) is None
+
+
+def test_resume_falls_back_and_still_continues_exactly(cfg_factory, tmp_path):
+    """Flipped bytes in the newest checkpoint's weights: resume skips it with a message naming
+    the file, continues from the one before, and ends bit-identical to an uninterrupted run."""
+    def make(out):
+        cfg = cfg_factory("steps=4", "checkpoint.every=1", "checkpoint.keep_last=5", f"logging.out_dir={tmp_path / out}")
+        msgs = []
+        return Trainer(cfg, task=NoisyTask(), log=msgs.append), msgs
+
+    a, _ = make("a")
+    a.train()
+    wa = _weights(a)
+    a.close()
+    b, _ = make("b")
+    for _ in range(3):
+        b.step()
+    b.close()
+    paths = ckpt.list_checkpoints(str(tmp_path / "b"))
+    assert paths[-1].endswith("step-00000003")
+    _flip(os.path.join(paths[-1], "model", "model.safetensors"))
+    c, msgs = make("b")
+    assert c.maybe_resume() == paths[-2] and c.step_num == 2
+    assert any("step-00000003" in m and "model.safetensors" in m for m in msgs), msgs
+    c.train()
+    wc = _weights(c)
+    c.close()
+    for k in wa:
+        assert torch.equal(wa[k], wc[k]), f"{k} differs between the uninterrupted and the resumed run"
+
+
+# -- atomic HF model folders (the SFT model) --
+
+class _Model:
+    """save_pretrained writing two files; `fail_after` bytes of the second then raise / die."""
+
+    def __init__(self, value, fail=None):
+        self.value, self.fail = value, fail
+
+    def save_pretrained(self, path, **kw):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write('{"v": %d}' % self.value)
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(bytes([self.value]) * 50_000)
+            if self.fail == "raise":
+                raise OSError(28, "No space left on device")
+            if self.fail == "kill":
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_save_model_atomic_keeps_the_previous_folder_on_failure(tmp_path):
+    path = str(tmp_path / "sft" / "model")
+    with pytest.raises(OSError):
+        ckpt.save_model_atomic(_Model(1, fail="raise"), None, path)
+    assert not os.path.exists(path) and os.listdir(tmp_path / "sft") == []  # none, and no temp left
+    ckpt.save_model_atomic(_Model(1), None, path)
+    assert ckpt.is_complete_model_dir(path, verify=True)
+    with pytest.raises(OSError):
+        ckpt.save_model_atomic(_Model(2, fail="raise"), None, path)
+    assert ckpt.is_complete_model_dir(path, verify=True) and open(os.path.join(path, "config.json")).read() == '{"v": 1}'
+    ckpt.save_model_atomic(_Model(3), None, path)  # a re-save replaces it
+    assert open(os.path.join(path, "config.json")).read() == '{"v": 3}' and os.listdir(tmp_path / "sft") == ["model"]
+
+
+def test_half_written_model_folder_is_not_complete(tmp_path):
+    path = str(tmp_path / "m")
+    _Model(1).save_pretrained(path)  # what a plain save_pretrained killed midway can leave
+    assert not ckpt.is_complete_model_dir(path)
+    ckpt.save_model_atomic(_Model(1), None, path)
+    _truncate(os.path.join(path, "model.safetensors"))
+    assert not ckpt.is_complete_model_dir(path)
+    ckpt.save_model_atomic(_Model(1), None, path)
+    _flip(os.path.join(path, "model.safetensors"))
+    assert ckpt.is_complete_model_dir(path) and not ckpt.is_complete_model_dir(path, verify=True)
+
+
+_KILLED_SAVE = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import _Model
+from fastgrpo.trainer import checkpoint as ckpt
+ckpt.save_model_atomic(_Model(int(sys.argv[3]), fail="kill"), None, sys.argv[1])
+"""
+
+
+def test_kill9_during_model_save_leaves_previous_or_none(tmp_path):
+    path = str(tmp_path / "sft" / "model")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = [sys.executable, "-c", _KILLED_SAVE, path, here]
+    assert subprocess.run(run + ["1"]).returncode == -signal.SIGKILL
+    assert not os.path.exists(path)  # none: the first save never finished
+    ckpt.save_model_atomic(_Model(5), None, path)  # removes the dead writer's temp folder
+    assert os.listdir(tmp_path / "sft") == ["model"]
+    assert subprocess.run(run + ["6"]).returncode == -signal.SIGKILL
+    assert ckpt.is_complete_model_dir(path, verify=True) and open(os.path.join(path, "config.json")).read() == '{"v": 5}'
+
+
+def test_atomic_write_text(tmp_path):
+    p = str(tmp_path / "config.yaml")
+    ckpt.atomic_write_text(p, "a: 1\n")
+    ckpt.atomic_write_text(p, "a: 2\n")
+    assert open(p).read() == "a: 2\n" and os.listdir(tmp_path) == ["config.yaml"]
