@@ -7,7 +7,10 @@ time as `timing/rollout`, so a profile and the metrics use the same names. NVTX 
 torch.cuda.nvtx is used on GPU machines. Metrics rows go to `metrics.jsonl` (one JSON object per
 line, flushed per row so that a killed run keeps every finished step), to TensorBoard through
 torch.utils.tensorboard when tensorboard is importable, and to PNG plots drawn at the end with
-matplotlib's Agg backend (no display needed).
+matplotlib's Agg backend (no display needed). A run killed mid-row or stopped by a full disk can
+leave a torn last line; opening the file again ends that line first (`_end_torn_line`), so the
+resumed run's first row starts a line of its own instead of being glued onto the fragment (and
+lost with it: `read_metrics` skips lines that do not parse).
 """
 from __future__ import annotations
 
@@ -109,6 +112,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
+        _end_torn_line(self.path)
         self._f = open(self.path, "a")
         if tensorboard:
             try:
@@ -135,21 +139,45 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
+        self._f.flush()
+        try:
+            os.fsync(self._f.fileno())
+        except OSError:  # a full disk: the rows written so far are what there is
+            pass
         self._f.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
 
 
+def _end_torn_line(path: str) -> None:
+    """Terminate a last line without its newline (a row cut by a kill or a full disk): the
+    fragment stays in the file, as a line `read_metrics` skips, and new rows start clean."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+    except FileNotFoundError:
+        pass
+
+
 def read_metrics(path: str) -> List[Dict[str, object]]:
-    """Rows of a metrics.jsonl; a torn last line (run killed mid-write) is skipped."""
+    """Rows of a metrics.jsonl; a torn line (run killed mid-write, disk full) is skipped, and so
+    is anything that is not a JSON object with a step (e.g. NUL bytes left by a crash)."""
     rows = []
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                row = json.loads(line)
+            except ValueError:
                 continue
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
     return rows
 
 

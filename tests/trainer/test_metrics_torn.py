@@ -1,0 +1,39 @@
+"""metrics.jsonl after a kill or a full disk: a torn last line must not swallow the resumed
+run's first row (issue 14, item 8)."""
+import json
+import os
+
+import pytest
+
+from fastgrpo.trainer.metrics import MetricsLogger, read_metrics
+
+ROWS = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+
+
+@pytest.mark.parametrize("tail", ['{"step": 3, "loss": 0.1', '{"step": 3, "loss": 0.125}', "\x00" * 37, '{"st'])
+def test_torn_last_line_keeps_the_next_row(tmp_path, tail):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + tail)
+    m = MetricsLogger(str(tmp_path), tensorboard=False)
+    m.log(3, {"loss": 0.75})
+    m.log(4, {"loss": 0.5})
+    m.close()
+    rows = read_metrics(str(path))
+    steps = [r["step"] for r in rows]
+    # the resumed run's rows are both there; a complete but unterminated row is kept too
+    assert steps[:2] == [1, 2] and steps[-2:] == [3, 4], steps
+    assert rows[-2]["loss"] == 0.75
+    assert len(rows) == (5 if tail.endswith("}") else 4)
+    assert tail in path.read_text()  # the fragment itself is kept, on a line of its own
+
+
+def test_clean_or_empty_file_is_left_as_is(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    MetricsLogger(str(tmp_path), tensorboard=False).close()
+    assert path.read_text() == ""
+    text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    path.write_text(text)
+    MetricsLogger(str(tmp_path), tensorboard=False).close()
+    assert path.read_text() == text
+    assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")
