@@ -7,14 +7,13 @@ program owns a 2-D tile of BLOCK_N rows × BLOCK_V columns (Liger: one row per p
 grid has one axis over row tiles, so N up to 2^31·BLOCK_N rows works (Liger's kernels index a
 second grid axis that stops at 65 535).
 
-Autotuning: on a GPU the launcher lets `triton.autotune` pick among configs for Hopper
-(capability 9.x) or a smaller fallback set elsewhere. Under TRITON_INTERPRET=1 (CPU tests) the
-config list is pruned to a single shape-derived config, so nothing is benchmarked: the
-interpreter's cost grows with the number of programs, so that config takes many rows per program.
+Config choice: on a GPU `_tune.TunedKernel` picks among configs for Hopper (capability 9.x) or
+a smaller fallback set elsewhere, once per key, cached on disk. Under TRITON_INTERPRET=1 (CPU
+tests) a single shape-derived config is used, so nothing is benchmarked: the interpreter's cost
+grows with the number of programs, so that config takes many rows per program.
 """
 from __future__ import annotations
 
-import functools
 import struct
 
 import torch
@@ -67,53 +66,14 @@ def row_tile(pid, n_rows, BLOCK_N: tl.constexpr):
     return rows, row_ok, rows_c
 
 
-# (BLOCK_N, BLOCK_V, num_warps). Bandwidth-bound kernels: tiles of 4k–16k elements with enough
-# warps to keep ~16–32 elements per thread in flight; single-row tiles win at large V, multi-row
-# tiles when V is small (one 128-column row would leave most lanes idle).
-_HOPPER = ((1, 4096, 8), (1, 8192, 16), (2, 4096, 8), (4, 2048, 8), (4, 4096, 16),
-           (8, 1024, 8), (8, 2048, 16), (16, 512, 8), (32, 256, 4), (64, 128, 4))
-_FALLBACK = ((1, 4096, 8), (2, 2048, 8), (4, 1024, 4), (16, 256, 4), (64, 64, 4))
-_ALL_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=w, num_stages=2)
-                for bn, bv, w in dict.fromkeys(_HOPPER + _FALLBACK)]
-
-
-def interp_config(n_rows: int, n_cols: int) -> triton.Config:
+def interp_config(n_rows: int, n_cols: int):
     """The one config used under the interpreter: the whole (small) vocabulary in one block when
     it fits, and as many rows as fill `_INTERP_TILE` elements."""
+    from fastgrpo.kernels.triton._tune import KernelConfig
+
     bv = min(triton.next_power_of_2(max(n_cols, 1)), 2048)
     bn = max(1, min(triton.next_power_of_2(max(n_rows, 1)), _INTERP_TILE // bv, 1024))
-    return triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=4, num_stages=1)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_set():
-    """Hopper configs on capability 9.x, the fallback set elsewhere. Asked at the first launch,
-    not at import, so importing the kernels never initialises CUDA."""
-    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-    return frozenset(_HOPPER if cap[0] >= 9 else _FALLBACK)
-
-
-def _prune(configs, named_args, **kwargs):
-    n_rows, n_cols = int(named_args["n_rows"]), int(named_args["n_cols"])
-    if INTERPRET:
-        return [interp_config(n_rows, n_cols)]
-    allowed = _device_set()
-    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps) in allowed]
-    # Drop blocks far wider than the vocabulary (pure padding), keep at least one config.
-    cap = max(triton.next_power_of_2(n_cols), 128)
-    narrow = [c for c in kept if c.kwargs["BLOCK_V"] <= cap]
-    return narrow or [min(kept, key=lambda c: c.kwargs["BLOCK_V"])]
-
-
-def autotuned(restore_value=None):
-    """`triton.autotune` keyed on the vocabulary size (and, as Triton adds, the pointer dtypes),
-    with the config list pruned per launch by `_prune`. `restore_value` names outputs that may
-    alias an input (the in-place gradient) so that benchmarking a config never corrupts it."""
-    def deco(fn):
-        return triton.autotune(configs=_ALL_CONFIGS, key=["n_cols"],
-                               prune_configs_by={"early_config_prune": _prune},
-                               restore_value=restore_value)(fn)
-    return deco
+    return KernelConfig(bn, bv, 4, 1)
 
 
 def split_inv_temp(temperature: float):
@@ -138,9 +98,9 @@ def load_scale(inv_temp, inv_temp_lo, FP64: tl.constexpr):
     return scale
 
 
-def grid_rows(n_rows: int):
+def grid_rows(cfg, n_rows: int):
     """1-D grid over row tiles: axis 0 takes up to 2^31−1 programs (axes 1/2 stop at 65 535)."""
-    return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_N"]),)
+    return (triton.cdiv(n_rows, cfg.block_n),)
 
 
 def row_major_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:

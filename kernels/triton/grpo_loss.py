@@ -26,10 +26,22 @@ import triton.language as tl
 from fastgrpo.kernels.contract import LogprobsBackend, LossConfig, LossOutput, check_cu_seqlens, differentiable_logprobs
 from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 from fastgrpo.kernels.cpu_stream import loss_from_logprobs
-from fastgrpo.kernels.triton._common import autotuned, grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
+from fastgrpo.kernels.triton._common import grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
+from fastgrpo.kernels.triton._tune import TunedKernel
 
 
-@autotuned(restore_value=["grad_ptr"])
+@triton.jit
+def _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H: tl.constexpr):
+    """g·(δ_{j,y} − p_j) − h·p_j·(log p_j + H) on one [BN, BV] block of scaled logits x = z/τ
+    (g and h already carry the 1/τ)."""
+    logq = x - lse[:, None]
+    p = tl.exp(logq)
+    grad = -g[:, None] * p
+    if HAS_H:
+        grad -= h[:, None] * p * (logq + ent[:, None])
+    return tl.where(cols[None, :] == tgt[:, None], grad + g[:, None], grad)
+
+
 @triton.jit
 def _grpo_loss_bwd_kernel(
     logits_ptr,  # [N, V] logits, row stride stride_n, unit column stride
@@ -59,31 +71,42 @@ def _grpo_loss_bwd_kernel(
     g = tl.load(g_ptr + rows_c).to(acc_t) * scale
     lse = tl.load(lse_ptr + rows_c).to(acc_t)
     tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
+    h = g
+    ent = lse
     if HAS_H:
         h = tl.load(h_ptr + rows_c).to(acc_t) * scale
         ent = tl.load(ent_ptr + rows_c).to(acc_t)
         active = tl.max(tl.abs(g) + tl.abs(h), 0) > 0
     else:
         active = tl.max(tl.abs(g), 0) > 0
+    # Full blocks: loads unmasked (rows are clamped), stores masked by row only, uniform along a
+    # vector; the odd-V tail is one masked block (see logprobs.py).
+    n_full = (n_cols // BLOCK_V) * BLOCK_V
+    st_ok = row_ok[:, None]
     if active:
-        for v0 in range(0, n_cols, BLOCK_V):
+        for v0 in range(0, n_full, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t) * scale
+            grad = _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+            tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=st_ok)
+        if n_full < n_cols:
+            cols = n_full + tl.arange(0, BLOCK_V)
+            ok = st_ok & (cols < n_cols)[None, :]
             x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t) * scale
-            logq = x - lse[:, None]
-            p = tl.exp(logq)
-            grad = -g[:, None] * p
-            if HAS_H:
-                grad -= h[:, None] * p * (logq + ent[:, None])
-            grad = tl.where(cols[None, :] == tgt[:, None], grad + g[:, None], grad)
+            grad = _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=ok)
     else:
         # Masked-out rows (a_t = 0, e.g. prompt tokens): the gradient is exactly zero.
-        for v0 in range(0, n_cols, BLOCK_V):
+        zero = tl.zeros([BLOCK_N, BLOCK_V], tl.float32).to(grad_ptr.dtype.element_ty)
+        for v0 in range(0, n_full, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            zero = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-            tl.store(out_ptr[:, None] + cols[None, :], zero.to(grad_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr[:, None] + cols[None, :], zero, mask=st_ok)
+        if n_full < n_cols:
+            cols = n_full + tl.arange(0, BLOCK_V)
+            tl.store(out_ptr[:, None] + cols[None, :], zero, mask=st_ok & (cols < n_cols)[None, :])
+
+
+GRPO_LOSS_BWD = TunedKernel(_grpo_loss_bwd_kernel, "grpo_loss_bwd")
 
 
 def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
@@ -97,12 +120,23 @@ def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     if n == 0:
         return out
     has_h = h is not None
-    _grpo_loss_bwd_kernel[grid_rows(n)](
-        logits, out, targets.contiguous(), lse.contiguous(), g.contiguous(), h.contiguous() if has_h else g,
-        entropy.contiguous() if has_h else lse,
-        logits.stride(0), out.stride(0), n, v, *split_inv_temp(temperature),
-        HAS_H=has_h, FP64=logits.dtype == torch.float64,
-    )
+    targets, lse, g = targets.contiguous(), lse.contiguous(), g.contiguous()
+    h = h.contiguous() if has_h else g
+    entropy = entropy.contiguous() if has_h else lse
+    inv = split_inv_temp(temperature)
+
+    def scratch(rows):
+        # Tuning reads a slice of the logits and writes a fresh [rows, V] buffer, never `out`
+        # (which may be the logits themselves); g = h = 1 times the full path, not the zero fill.
+        ones = torch.ones(rows, dtype=g.dtype, device=g.device)
+        tmp = torch.empty((rows, v), dtype=out.dtype, device=out.device)
+        return (logits[:rows], tmp, targets[:rows], lse[:rows], ones, ones, entropy[:rows],
+                logits.stride(0), tmp.stride(0), rows, v, *inv)
+
+    GRPO_LOSS_BWD.launch(
+        grid_rows, (logits, out, targets, lse, g, h, entropy, logits.stride(0), out.stride(0), n, v, *inv),
+        dict(HAS_H=has_h, FP64=logits.dtype == torch.float64), n_rows=n, n_cols=v,
+        strides=(logits.stride(0), out.stride(0)), row_bytes=v * logits.element_size(), scratch=scratch)
     return out
 
 

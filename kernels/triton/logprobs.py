@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from fastgrpo.kernels.triton._common import (
-    autotuned, grid_rows, load_scale, online_lse_update, row_major_logits, row_tile, split_inv_temp)
+    grid_rows, load_scale, online_lse_update, row_major_logits, row_tile, split_inv_temp)
+from fastgrpo.kernels.triton._tune import TunedKernel
 
 
-@autotuned()
 @triton.jit
 def _token_logprobs_fwd_kernel(
     logits_ptr,  # [N, V] logits, row stride stride_n, unit column stride
@@ -47,8 +47,15 @@ def _token_logprobs_fwd_kernel(
     m = tl.full([BLOCK_N], float("-inf"), acc_t)
     s = tl.zeros([BLOCK_N], acc_t)
     t = tl.zeros([BLOCK_N], acc_t)
-    for v0 in range(0, n_cols, BLOCK_V):
+    # Full blocks without a mask (rows are clamped, so every address is valid): a column mask
+    # against an odd V would be non-uniform within a vector and force one load per element.
+    n_full = (n_cols // BLOCK_V) * BLOCK_V
+    for v0 in range(0, n_full, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t) * scale
+        m, s, t = online_lse_update(x, m, s, t, HAS_ENT)
+    if n_full < n_cols:  # the peeled tail: one masked block
+        cols = n_full + tl.arange(0, BLOCK_V)
         col_ok = (cols < n_cols)[None, :]
         x = tl.load(row_ptr[:, None] + cols[None, :], mask=col_ok, other=float("-inf")).to(acc_t) * scale
         m, s, t = online_lse_update(x, m, s, t, HAS_ENT)
@@ -59,6 +66,9 @@ def _token_logprobs_fwd_kernel(
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     if HAS_ENT:
         tl.store(ent_ptr + rows, tl.log(s) - t / s, mask=row_ok)
+
+
+TOKEN_LOGPROBS_FWD = TunedKernel(_token_logprobs_fwd_kernel, "token_logprobs_fwd")
 
 
 def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -73,11 +83,17 @@ def token_logprobs_fwd(logits: torch.Tensor, targets: torch.Tensor, temperature:
     ent = torch.empty(n, dtype=out_t, device=logits.device) if need_entropy else lse
     if n == 0:
         return logp, lse, (ent if need_entropy else None)
-    _token_logprobs_fwd_kernel[grid_rows(n)](
-        logits, targets.contiguous(), logp, lse, ent,
-        logits.stride(0), n, v, *split_inv_temp(temperature),
-        HAS_ENT=need_entropy, FP64=logits.dtype == torch.float64,
-    )
+    targets = targets.contiguous()
+    inv = split_inv_temp(temperature)
+
+    def scratch(rows):  # read a slice of the caller's logits, write fresh [rows] outputs
+        outs = [torch.empty(rows, dtype=out_t, device=logits.device) for _ in range(3)]
+        return (logits[:rows], targets[:rows], *outs, logits.stride(0), rows, v, *inv)
+
+    TOKEN_LOGPROBS_FWD.launch(
+        grid_rows, (logits, targets, logp, lse, ent, logits.stride(0), n, v, *inv),
+        dict(HAS_ENT=need_entropy, FP64=logits.dtype == torch.float64), n_rows=n, n_cols=v,
+        strides=(logits.stride(0),), row_bytes=v * logits.element_size(), scratch=scratch)
     return logp, lse, (ent if need_entropy else None)
 
 

@@ -185,16 +185,23 @@ def test_runtime_scalars_are_not_constexpr_and_gpu_pruning_keeps_valid_configs(m
     from fastgrpo.kernels.triton.grpo_loss import _grpo_loss_bwd_kernel
 
     for kernel in (_token_logprobs_fwd_kernel, _grpo_loss_bwd_kernel):
-        params = inspect.signature(kernel.fn.fn).parameters  # Autotuner → JIT/InterpretedFunction → def
+        params = inspect.signature(kernel.fn).parameters  # JIT/InterpretedFunction → def
         constexpr = {k for k, p in params.items() if "constexpr" in str(p.annotation)}
         assert {"inv_temp", "inv_temp_lo"} <= set(params) and not {"inv_temp", "inv_temp_lo"} & constexpr
         assert {"BLOCK_N", "BLOCK_V"} <= constexpr
     # The GPU path of the config pruning (not reached under the interpreter).
-    monkeypatch.setattr(tc, "INTERPRET", False)
-    for n_cols in (5, 300, 151_936):
-        kept = tc._prune(tc._ALL_CONFIGS, {"n_rows": 4096, "n_cols": n_cols})
-        assert kept and all(c.kwargs["BLOCK_V"] <= max(128, 2 ** (n_cols - 1).bit_length()) for c in kept)
-        assert all((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps) in tc._device_set() for c in kept)
-    monkeypatch.setattr(tc, "INTERPRET", True)
-    cfg = tc.interp_config(70_001, 5).kwargs
-    assert cfg["BLOCK_V"] == 8 and cfg["BLOCK_N"] * cfg["BLOCK_V"] <= tc._INTERP_TILE
+    from fastgrpo.kernels.triton import _tune
+
+    for configs in (_tune.SM90, _tune.FALLBACK):
+        for n_cols in (5, 300, 151_936):
+            for layout in "atu":
+                kept = _tune.candidates(configs, n_cols, layout)
+                # unaligned rows prefer a padded block over a tile that spills
+                assert kept and (layout == "u" or all(c.block_v <= max(128, 2 ** (n_cols - 1).bit_length())
+                                                      for c in kept))
+                assert set(kept) <= set(configs)
+                if layout == "u" and len(kept) > 1:
+                    assert all(c.elems_per_thread() <= _tune.UNALIGNED_ELEMS_PER_THREAD for c in kept)
+    assert all(c.num_stages == 1 for c in _tune.SM90 + _tune.FALLBACK)
+    cfg = tc.interp_config(70_001, 5)
+    assert cfg.block_v == 8 and cfg.block_n * cfg.block_v <= tc._INTERP_TILE
