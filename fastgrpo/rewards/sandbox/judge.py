@@ -103,7 +103,7 @@ class Peer:
 
     def __init__(self, rfd, wfd, trusted_peer):
         self.rfd, self.wfd = rfd, wfd
-        self.buf = b""
+        self.buf = bytearray()
         self.objs = {}  # handle → object exported to the other side (kept alive for the run)
         self.handles = {}  # id(object) → handle
         # the judge serves the host (untrusted): no underscore names, no dangerous builtins
@@ -116,17 +116,20 @@ class Peer:
             data = data[os.write(self.wfd, data):]
 
     def recv(self):
+        scanned = 0  # bytes of buf already known to hold no newline (linear in the message size)
         while True:
-            cut = self.buf.find(b"\n")
+            cut = self.buf.find(b"\n", scanned)
             if cut >= 0:
-                line, self.buf = self.buf[:cut], self.buf[cut + 1:]
+                line = bytes(self.buf[:cut])
+                del self.buf[:cut + 1]
                 msg = json.loads(line.decode("utf-8", "surrogatepass"))
                 if type(msg) is not list or not msg or type(msg[0]) is not str:
                     raise Gone("malformed message")
                 return msg
-            if len(self.buf) > _MAX_LINE:
+            scanned = len(self.buf)
+            if scanned > _MAX_LINE:
                 raise Gone("message too long")
-            chunk = os.read(self.rfd, 1 << 16)
+            chunk = os.read(self.rfd, 1 << 20)
             if not chunk:
                 raise Gone("the other process closed the channel")
             self.buf += chunk
