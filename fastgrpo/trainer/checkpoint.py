@@ -2,15 +2,16 @@
 
 A checkpoint is `<out>/checkpoints/step-00000012/` holding `model/` (HF `save_pretrained`, so
 vLLM / from_pretrained / `fastgrpo eval` load it directly), `state.pt` (optimizer, scheduler,
-curriculum, trainer extras, RNG states of python / numpy / torch / CUDA) and `meta.json`
-(step), then `checksums.json` (sha256 and size of every other file; written last, verified on
-load: a flipped byte or a truncated file is caught before it is trained on). The directory is first built as `.tmp-step-…-<pid>` and then renamed:
-rename(2) within one file system is atomic, so a process killed at any instant (kill -9) leaves
-either the previous checkpoints only or the new complete one — never a half-written
-`step-…`. Temp directories left by a killed writer are removed by the next save. Pruning keeps
-the newest `keep_last` complete checkpoints and never deletes the one just written. This is the
-scheme of HF Trainer / DeepSpeed's "latest" pointer reduced to a rename, with the departure that
-"latest" is derived from the directory names instead of a pointer file (one file fewer to tear).
+curriculum, trainer extras, RNG states of python / numpy / torch / CUDA), `meta.json` (step) and
+`checksums.json` (sha256 and size of every other file; written last, verified on load: a flipped
+byte or a truncated file is caught before it is trained on). The directory is first built as
+`.tmp-step-…-<pid>` and then renamed: rename(2) within one file system is atomic, so a process
+killed at any instant (kill -9) leaves either the previous checkpoints only or the new complete
+one — never a half-written `step-…`. Temp directories left by a killed writer are removed by the
+next save. Pruning keeps the newest `keep_last` complete checkpoints and never deletes the one
+just written. This is the scheme of HF Trainer / DeepSpeed's "latest" pointer reduced to a
+rename, with the departure that "latest" is derived from the directory names instead of a
+pointer file (one file fewer to tear).
 
 Under DeepSpeed ZeRO the optimizer state is partitioned over ranks: every rank writes its
 partition (DeepSpeed's own `engine.save_checkpoint` layout, under `engine/`) and its RNG state

@@ -97,7 +97,8 @@ def test_judge_memory_is_not_readable(pool):
 
 
 SEMANTICS = [
-    ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n"
+     "    def push(self, x):\n        self.items.append(x)\n"
      "    def pop(self):\n        return self.items.pop()\n    def __len__(self):\n        return len(self.items)\n",
      "s = Stack()\ns.push(1)\ns.push(2)\nassert len(s) == 2\nassert s.pop() == 2\nassert s.items == [1]"),
     ("def sort_in_place(xs):\n    xs.sort()\n", "x = [3, 1, 2]\nsort_in_place(x)\nassert x == [1, 2, 3]"),

@@ -255,7 +255,8 @@ def test_damaged_latest_checkpoint_falls_back_naming_the_file(tmp_path, damage):
     assert ckpt.latest_checkpoint(out, log=msgs.append) == paths[-2]
     # a flipped byte in checksums.json itself breaks its JSON or one digest: either file is named
     named = ("checksums.json", "state.pt", "model.pt", "meta.json") if damage == "flip checksums.json" else (name,)
-    assert len(msgs) == 1 and any(n in msgs[0] for n in named) and "step-00000003" in msgs[0] and "skipped" in msgs[0], msgs
+    assert len(msgs) == 1 and "step-00000003" in msgs[0] and "skipped" in msgs[0], msgs
+    assert any(n in msgs[0] for n in named), msgs
     with pytest.raises(ckpt.CheckpointError, match="|".join(n.replace(".", r"\.") for n in named)):
         ckpt.load_checkpoint(paths[-1], torch.nn.Linear(16, 16), restore_rng=False)
     back = torch.nn.Linear(16, 16)
@@ -311,7 +312,8 @@ def test_resume_falls_back_and_still_continues_exactly(cfg_factory, tmp_path):
     """Flipped bytes in the newest checkpoint's weights: resume skips it with a message naming
     the file, continues from the one before, and ends bit-identical to an uninterrupted run."""
     def make(out):
-        cfg = cfg_factory("steps=4", "checkpoint.every=1", "checkpoint.keep_last=5", f"logging.out_dir={tmp_path / out}")
+        cfg = cfg_factory("steps=4", "checkpoint.every=1", "checkpoint.keep_last=5",
+                          f"logging.out_dir={tmp_path / out}")
         msgs = []
         return Trainer(cfg, task=NoisyTask(), log=msgs.append), msgs
 
@@ -366,7 +368,8 @@ def test_save_model_atomic_keeps_the_previous_folder_on_failure(tmp_path):
     assert ckpt.is_complete_model_dir(path, verify=True)
     with pytest.raises(OSError):
         ckpt.save_model_atomic(_Model(2, fail="raise"), None, path)
-    assert ckpt.is_complete_model_dir(path, verify=True) and open(os.path.join(path, "config.json")).read() == '{"v": 1}'
+    assert ckpt.is_complete_model_dir(path, verify=True)
+    assert open(os.path.join(path, "config.json")).read() == '{"v": 1}'
     ckpt.save_model_atomic(_Model(3), None, path)  # a re-save replaces it
     assert open(os.path.join(path, "config.json")).read() == '{"v": 3}' and os.listdir(tmp_path / "sft") == ["model"]
 
@@ -401,7 +404,8 @@ def test_kill9_during_model_save_leaves_previous_or_none(tmp_path):
     ckpt.save_model_atomic(_Model(5), None, path)  # removes the dead writer's temp folder
     assert os.listdir(tmp_path / "sft") == ["model"]
     assert subprocess.run(run + ["6"]).returncode == -signal.SIGKILL
-    assert ckpt.is_complete_model_dir(path, verify=True) and open(os.path.join(path, "config.json")).read() == '{"v": 5}'
+    assert ckpt.is_complete_model_dir(path, verify=True)
+    assert open(os.path.join(path, "config.json")).read() == '{"v": 5}'
 
 
 def test_atomic_write_text(tmp_path):
