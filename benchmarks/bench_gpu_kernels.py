@@ -113,7 +113,8 @@ def check(device, dtype, cpu_smoke):
 
     lines = []
     shapes = [(40, 300), (70_001, 5)] if cpu_smoke else [(4096, 151_936), (70_001, 4096)]
-    tol = {torch.bfloat16: (1e-3, 8e-3), torch.float32: (2e-6, 2e-5)}
+    # (atol, rtol) beyond the same-dtype reference's error: tests/kernels/kernel_oracle.py's TOL
+    tol = {torch.bfloat16: (1e-3, 8e-3), torch.float16: (2e-4, 2e-3), torch.float32: (2e-6, 2e-5)}
     for n, v in shapes:
         for dt in (dtype, torch.float32):
             inp = make_inputs(n, v, dt, device, seed=n)

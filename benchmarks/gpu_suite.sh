@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU suite of fastgrpo's kernels, one command on one H100/H200, ≤ 10 minutes, nothing
-# installed from the network:
+# The GPU suite of fastgrpo's kernels, one command on one H100/H200, ≤ 10 minutes the first
+# time (the step limits below sum to 570 s), nothing installed from the network:
+#   0. warm-up (benchmarks/gpu_warmup.py): tunes, caches on disk and compiles every kernel config
+#      the later steps launch, timed, so they neither compile nor tune;
 #   1. the compiled Triton kernels vs the float64 oracle at real sizes (loss, logp, entropy,
 #      logits gradient; N = 70 001 > 65 535 rows; fused lm_head gradients of hidden and weight);
 #   2. loss kernels: fwd / bwd / fwd+bwd for N ∈ {4k, 16k, 64k} × V ∈ {32k, 128k, 152k}, bf16,
@@ -13,7 +15,9 @@
 #
 #   bash benchmarks/gpu_suite.sh              # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_suite.sh --cpu-smoke  # the same scripts on CPU under TRITON_INTERPRET=1
-# Step time limits (s) can be overridden: GPU_SUITE_T_CHECK, _T_LOSS, _T_FUSED, _T_IPC.
+# Step time limits (s) can be overridden: GPU_SUITE_T_WARM, _T_CHECK, _T_LOSS, _T_FUSED, _T_IPC.
+# Every step prints a "[suite] ==== <step>: rc=… in …s" line, also when it fails or times out
+# (rc 124); the suite goes on with the next step. Liger-Kernel: see below; TRL comes with the venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -49,16 +53,18 @@ step() {  # step <name> <seconds> <command...>: run with a time limit, keep goin
   [ $rc -eq 0 ] || status=1
 }
 
-step "oracle check (loss kernels)" "${GPU_SUITE_T_CHECK:-120}" \
+step "warm-up: tune + compile the configs used below" "${GPU_SUITE_T_WARM:-150}" \
+  "$PY" benchmarks/gpu_warmup.py "${SMOKE[@]}"
+step "oracle check (loss kernels)" "${GPU_SUITE_T_CHECK:-90}" \
   "$PY" benchmarks/bench_gpu_kernels.py --check-only "${SMOKE[@]}"
-step "loss kernels vs Liger / TRL" "${GPU_SUITE_T_LOSS:-270}" \
+step "loss kernels vs Liger / TRL" "${GPU_SUITE_T_LOSS:-180}" \
   "$PY" benchmarks/bench_gpu_kernels.py --no-check "${SMOKE[@]}"
-step "fused lm_head + loss (with its oracle check)" "${GPU_SUITE_T_FUSED:-150}" \
+step "fused lm_head + loss (with its oracle check)" "${GPU_SUITE_T_FUSED:-120}" \
   "$PY" benchmarks/bench_gpu_fused_linear.py "${SMOKE[@]}"
 if [ ${#SMOKE[@]} -gt 0 ]; then
   echo "[suite] CUDA-IPC check needs a GPU: skipped in --cpu-smoke"
 elif [ -f benchmarks/gpu_ipc_check.py ]; then
-  step "CUDA-IPC bucket transfer" "${GPU_SUITE_T_IPC:-45}" "$PY" benchmarks/gpu_ipc_check.py
+  step "CUDA-IPC bucket transfer" "${GPU_SUITE_T_IPC:-30}" "$PY" benchmarks/gpu_ipc_check.py
 else
   echo "[suite] benchmarks/gpu_ipc_check.py not present: skipped"
 fi

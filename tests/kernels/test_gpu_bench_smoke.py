@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import bench_gpu_fused_linear, bench_gpu_kernels
+from benchmarks import bench_gpu_fused_linear, bench_gpu_kernels, gpu_warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,6 +52,26 @@ def test_fused_linear_bench_smoke(tmp_path, capsys):
     rows = {r["case"]: r for r in _rows(out)}
     assert float(rows["bare matmuls (logits + dH + dW) fwd+bwd"]["vs_matmuls"]) == 1.0
     assert "fastgrpo fused sequence-ratio fwd+bwd" in rows
+
+
+def test_fp16_oracle_check_smoke(capsys):
+    printed = _smoke(bench_gpu_kernels, ["--check-only", "--dtype", "fp16"], capsys)  # KeyError before
+    assert "float16 grad: ok" in printed and "FAIL" not in printed
+
+
+def test_warmup_smoke(capsys):
+    printed = _smoke(gpu_warmup, [], capsys)
+    assert "warm-up: " in printed and ", 0 failed" in printed
+
+
+def test_suite_limits_fit_ten_minutes():
+    import re
+
+    with open(os.path.join(ROOT, "benchmarks", "gpu_suite.sh")) as f:
+        text = f.read()
+    limits = [int(x) for x in re.findall(r"GPU_SUITE_T_[A-Z]+:-(\d+)", text)]
+    assert len(limits) == 5 and sum(limits) <= 570, limits  # + ~30 s of start-up within 600 s
+    assert "gpu_warmup.py" in text
 
 
 def test_suite_script_is_valid_bash():
