@@ -232,7 +232,7 @@ def verify_checkpoint(path: str) -> Optional[str]:
     if fmt >= 2 or os.path.exists(os.path.join(path, CHECKSUMS)):
         return verify_dir(path)
     try:
-        _torch_load(os.path.join(path, "state.pt"))
+        load_torch_file(os.path.join(path, "state.pt"))
         load_model_state(path)
     except CheckpointError as e:
         return str(e)
@@ -434,7 +434,8 @@ def _prune(out_dir: str, keep_last: int, keep: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def _torch_load(path: str, weights_only: bool = False):
+def load_torch_file(path: str, weights_only: bool = False):
+    """torch.load on CPU; a missing or damaged file raises CheckpointError naming it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError:
@@ -473,7 +474,7 @@ def load_model_state(path: str) -> Dict[str, torch.Tensor]:
         return state
     pt = os.path.join(mdir, "model.pt")
     if os.path.exists(pt):
-        return _torch_load(pt, weights_only=True)
+        return load_torch_file(pt, weights_only=True)
     raise CheckpointError(f"checkpoint {path}: no model/model.safetensors, model/model.safetensors.index.json or "
                           "model/model.pt inside")
 
@@ -488,7 +489,7 @@ def load_checkpoint(path: str, model=None, optimizer=None, scheduler=None, curri
         why = verify_checkpoint(path)
         if why is not None:
             raise CheckpointError(f"checkpoint {path}: {why}")
-    state = _torch_load(os.path.join(path, "state.pt"))
+    state = load_torch_file(os.path.join(path, "state.pt"))
     weights = load_model_state(path) if model is not None else None
     if model is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -71,7 +71,7 @@ class CheckpointMixin:
             self.backend.load_checkpoint(os.path.join(path, "engine"))
         mine = os.path.join(path, f"rng-rank{self.rank}.pt")
         if os.path.exists(mine):  # each rank's own RNG stream (state.pt holds rank 0's)
-            ckpt.set_rng_state(ckpt._torch_load(mine))
+            ckpt.set_rng_state(ckpt.load_torch_file(mine))
         self.step_num = int(state["step"])
         self.nan_skips = int(state["extra"].get("nan_skips", 0))
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
