@@ -108,6 +108,9 @@ SEMANTICS = [
     ("def g():\n    return (1.5, {'a': [1, 2]}, {3}, b'x', 10 ** 30, 1 + 2j, None, True, frozenset([1]), -0.0)\n",
      "assert g() == (1.5, {'a': [1, 2]}, {3}, b'x', 10 ** 30, 1 + 2j, None, True, frozenset([1]), -0.0)\n"
      "assert type(g()[4]) is int and type(g()[7]) is bool"),
+    ("class MyError(ValueError):\n    pass\ndef f(x):\n    raise MyError('neg')\n",
+     "try:\n    f(-1)\n    ok = False\nexcept MyError as e:\n    ok = str(e) == 'neg'\nassert ok\n"
+     "assert issubclass(MyError, ValueError)"),
     ("import math\ndef f(x):\n    return math.sqrt(x)\n", "assert math.isclose(f(4), 2.0)"),
     ("N = 5\nNAMES = ['a', 'b']\n", "assert N == 5\nassert NAMES[1] == 'b'"),
     ("def gen(n):\n    yield from range(n)\n", "assert list(gen(3)) == [0, 1, 2]\nassert sum(gen(4)) == 6"),

@@ -22,14 +22,14 @@ reaches the process that decides the score.
 
 Semantics kept: a plain list / dict / set / bytearray argument that the callee mutates is
 written back into the caller's object after the call (in-place sort, append); exceptions cross
-with their builtin type (a non-builtin type arrives as `RemoteError`); modules cross by name
-(the judge imports standard-library or already-loaded modules only, never a file the solution
-wrote); callbacks work both ways (a test's lambda passed to the solution runs in the judge).
-Lost: object identity across the boundary for plain values (copies), `isinstance` against the
-solution's classes and `except` of its exception classes, operators on non-plain results
+with their type (a builtin one as itself, the solution's own classes as stand-ins of the same
+name and builtin base, so a test's `except MyError` works); modules cross by name (the judge
+imports standard-library or already-loaded modules only, never a file the solution wrote);
+callbacks work both ways (a test's lambda passed to the solution runs in the judge). Lost: object identity across the boundary for plain values (copies),
+`isinstance` against the solution's other classes, operators on non-plain results
 (`obj + 1`), subclass types of plain values (a namedtuple arrives as a tuple, a Counter as a
 dict, numpy scalars as Python numbers), and the solution's prints as seen by a test
-(`redirect_stdout` in a test captures nothing; the output still reaches the run's log). Cost:
+(`redirect_stdout` in a test captures nothing; it is still the run's captured output). Cost:
 ~10 ms a run (the fork, the extra process, a round trip per call) and JSON encoding of large
 arguments (a 200k-element list crosses in ~0.1 s).
 The solution may read, set and call non-underscore attributes of objects the tests hand it, and
@@ -110,6 +110,7 @@ class Peer:
         self.buf = bytearray()
         self.objs = {}  # handle → object exported to the other side (kept alive for the run)
         self.handles = {}  # id(object) → handle
+        self.exc_classes = {}  # handle → stand-in class of the other side's exception class
         # the judge serves the host (untrusted): no underscore names, no dangerous builtins
         self.trusted_peer = trusted_peer
 
@@ -161,6 +162,11 @@ class Peer:
                 return ["d", [[self.enc(k, depth + 1), self.enc(x, depth + 1)] for k, x in v.items()]]
         if t is type(sys):
             return ["m", v.__name__]
+        if isinstance(v, type) and issubclass(v, BaseException) and getattr(builtins, v.__name__, None) is not v:
+            # the other side gets a stand-in class of the same name and builtin base, so
+            # `except MyError` and `issubclass(MyError, ValueError)` work there
+            base = next((b.__name__ for b in v.__mro__ if getattr(builtins, b.__name__, None) is b), "Exception")
+            return ["X", self._export(v), str(v.__name__), base]
         # subclasses of plain types and numpy scalars cross as their plain value (the judge
         # only ever decodes plain data, whatever the host sends)
         for base in (int, float, complex, str, bytes, tuple, list, dict, set, frozenset):
@@ -168,11 +174,14 @@ class Peer:
                 return self.enc(base(v), depth)
         if type(v).__module__ == "numpy" and getattr(v, "shape", None) == () and hasattr(v, "item"):
             return self.enc(v.item(), depth)
+        return ["h", self._export(v)]
+
+    def _export(self, v):
         key = id(v)
         if key not in self.handles:
             self.handles[key] = len(self.objs)
             self.objs[len(self.objs)] = v
-        return ["h", self.handles[key]]
+        return self.handles[key]
 
     def dec(self, x):
         t = type(x)
@@ -205,7 +214,17 @@ class Peer:
             return self.objs[int(arg)]
         if tag == "m":
             return self._module(str(arg))
+        if tag == "X":
+            return self._exc_class(int(arg), str(x[2]), str(x[3]))
         raise Gone("unknown tag")
+
+    def _exc_class(self, hid, name, base_name):
+        if hid not in self.exc_classes:
+            base = getattr(builtins, base_name, None)
+            if not (isinstance(base, type) and issubclass(base, Exception)):
+                base = Exception  # never a stand-in for SystemExit / KeyboardInterrupt
+            self.exc_classes[hid] = type(name, (base,), {"__module__": "solution"})
+        return self.exc_classes[hid]
 
     def _module(self, name):
         if name not in sys.modules and not self.trusted_peer and name.split(".")[0] not in getattr(
@@ -213,8 +232,13 @@ class Peer:
             raise ImportError(f"module {name!r} is not in the standard library")
         return importlib.import_module(name)
 
-    def exc(self, name, msg):
+    def exc(self, name, msg, cls_enc=None):
         cls = getattr(builtins, str(name), None)
+        if cls_enc is not None:
+            try:
+                cls = self.dec(cls_enc)
+            except Exception:
+                cls = None
         if isinstance(cls, type) and issubclass(cls, Exception):
             return cls(str(msg))
         return RemoteError(f"{name}: {msg}")
@@ -234,8 +258,8 @@ class Peer:
                 if op == "call":
                     self._write_back(pos, msg[2])
                 return self.dec(msg[1])
-            elif msg[0] == "e" and len(msg) == 3:
-                raise self.exc(msg[1], msg[2])
+            elif msg[0] == "e" and len(msg) in (3, 4):
+                raise self.exc(*msg[1:])
             else:
                 raise Gone("unexpected message")
 
@@ -293,6 +317,8 @@ class Peer:
         except BaseException as e:  # the caller raises it; this side keeps serving
             try:
                 reply = ["e", type(e).__name__, str(e)[:2000]]
+                if getattr(builtins, type(e).__name__, None) is not type(e):
+                    reply.append(self.enc(type(e)))
             except BaseException:
                 reply = ["e", "RemoteError", "unprintable exception"]
         self.send(reply)
