@@ -159,13 +159,15 @@ def grid(ci: bool = False, stages: bool = False) -> list:
 
     sets = {90: _tune.SM90, 80: _tune.FALLBACK}
     builds = []
-    for arch, cfgs in sets.items():
-        for c in cfgs:
-            for kernel in ("fwd", "bwd"):
-                for dtype in _T:
+    for arch, table in sets.items():
+        for dtype, (_, elem) in _T.items():
+            cfgs = _tune.configs_for(table, elem)  # the table the launchers use for this dtype
+            unaligned = set(_tune.candidates(cfgs, 1 << 17, "u"))
+            for c in cfgs:
+                for kernel in ("fwd", "bwd"):
                     for flag in (False, True):
                         for layout in "atu":
-                            if layout == "u" and c not in _tune.candidates(cfgs, 1 << 17, "u"):
+                            if layout == "u" and c not in unaligned:
                                 continue  # never picked for unaligned rows
                             builds.append(Build(kernel, arch, dtype, flag, layout, c.block_n, c.block_v,
                                                 c.num_warps, c.num_stages))
@@ -177,7 +179,7 @@ def grid(ci: bool = False, stages: bool = False) -> list:
         # register-heavy kernel) in bf16 with HAS_H; the two extreme tiles for the forward, the
         # odd-V layout, fp32 / fp16 and the unaligned layout; fp64, the fallback set's 64-row tile,
         # int32 targets once each.
-        extreme = {(1, 8192, 16), (64, 128, 8)}
+        extreme = {(1, 8192, 16), (64, 128, 8), (64, 128, 16)}
         keep = []
         for b in builds:
             cfg = (b.block_n, b.block_v, b.num_warps)
@@ -189,7 +191,7 @@ def grid(ci: bool = False, stages: bool = False) -> list:
                     (b.dtype == "bf16" and b.layout in "tu") or (b.kernel == "fwd" and b.dtype == "bf16")
                     or (b.layout == "a" and b.dtype in ("fp32", "fp16") and b.kernel == "bwd")):
                 keep.append(b)
-        keep += [Build("fwd", 90, "fp64", True, "a", 1, 4096, 8), Build("bwd", 80, "bf16", True, "a", 64, 64, 8),
+        keep += [Build("fwd", 90, "fp64", True, "a", 1, 4096, 16), Build("bwd", 80, "bf16", True, "a", 64, 64, 8),
                  Build("fwd", 80, "bf16", True, "a", 64, 64, 8),
                  Build("fwd", 90, "bf16", True, "a", 1, 4096, 8, targets="i32")]
         builds = list(dict.fromkeys(keep))

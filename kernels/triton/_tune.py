@@ -69,6 +69,9 @@ SM90 = _cfgs(((1, 4096, 8), (1, 8192, 16), (2, 4096, 8), (4, 2048, 8), (4, 4096,
 # registers: 12 warps per SM).
 FALLBACK = _cfgs(((1, 4096, 8), (2, 2048, 8), (4, 1024, 4), (16, 256, 4), (64, 64, 8)))
 UNALIGNED_ELEMS_PER_THREAD = 16
+# Logits bytes per thread per block: 64 B (32 bf16) took ≤ 128 registers in the backward on
+# sm_90; 32 fp32 per thread (128 B) took 229 (8 warps per SM). Wider dtypes get more warps.
+MAX_BYTES_PER_THREAD = 64
 TUNE_BYTES = 256 << 20  # scratch logits slice the tuner reads (and, for the backward, writes)
 TIE_FRAC = 0.03
 _N_BUCKETS = (256, 2048, 16384)
@@ -76,6 +79,19 @@ _N_BUCKETS = (256, 2048, 16384)
 
 def device_configs(capability_major: int) -> Tuple[KernelConfig, ...]:
     return SM90 if capability_major >= 9 else FALLBACK
+
+
+def configs_for(configs: Sequence[KernelConfig], elem_bytes: int) -> Tuple[KernelConfig, ...]:
+    """The table for a logits dtype: warps doubled (up to 16) until a thread holds at most
+    MAX_BYTES_PER_THREAD of logits per block; configs still above it are dropped (unless none is left)."""
+    out = []
+    for c in configs:
+        w = c.num_warps
+        while c.block_n * c.block_v * elem_bytes > MAX_BYTES_PER_THREAD * 32 * w and w < 16:
+            w *= 2
+        out.append(dataclasses.replace(c, num_warps=w))
+    fit = [c for c in out if c.block_n * c.block_v * elem_bytes <= MAX_BYTES_PER_THREAD * 32 * c.num_warps]
+    return tuple(dict.fromkeys(fit or out))
 
 
 def layout_of(n_cols: int, strides: Sequence[int]) -> str:
@@ -176,7 +192,7 @@ class TunedKernel:
             return cfg
         layout = layout_of(n_cols, strides)
         key = self.key(args, consts, n_rows, n_cols, layout)
-        cands = candidates(device_configs(self.device_key()[1]), n_cols, layout)
+        cands = candidates(configs_for(device_configs(self.device_key()[1]), args[0].element_size()), n_cols, layout)
         with self._lock:
             cfg = self.chosen.get(key) or _disk_get(key)
             if cfg is None or cfg not in cands:

@@ -128,7 +128,7 @@ def test_choice_is_deterministic_cached_on_disk_and_not_retuned_by_a_new_process
 
 def test_a_config_that_fails_to_compile_falls_back_to_the_next_with_a_warning(gpu_path):
     tk = gpu_path["kernels"]["TOKEN_LOGPROBS_FWD"]
-    cands = _tune.candidates(_tune.SM90, 4096, "a")
+    cands = _tune.candidates(_tune.configs_for(_tune.SM90, 4), 4096, "a")  # fp32 logits
     logits = torch.randn(8, 4096)
     tgt = torch.randint(0, 4096, (8,))
     _tune._disk_put(tk.key((logits, tgt, torch.empty(0), torch.empty(0), torch.empty(0)), {"HAS_ENT": False, "FP64": False},
@@ -146,6 +146,13 @@ def test_a_config_that_fails_to_compile_falls_back_to_the_next_with_a_warning(gp
     with pytest.raises(OutOfResources), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logprobs.token_logprobs_fwd(logits, tgt, 1.0, False)
+
+
+def test_wide_dtypes_get_more_warps_per_tile():
+    fp32 = _tune.configs_for(_tune.SM90, 4)
+    assert _tune.configs_for(_tune.SM90, 2) == _tune.SM90
+    assert all(c.block_n * c.block_v * 4 <= _tune.MAX_BYTES_PER_THREAD * 32 * c.num_warps for c in fp32)
+    assert _tune.KernelConfig(64, 128, 16) in fp32 and _tune.KernelConfig(1, 4096, 8) in fp32
 
 
 def test_unaligned_rows_only_get_configs_that_do_not_spill():
