@@ -124,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         + ("" if args.verbose else f" (library logs: {logfile})"))
     from fastgrpo import pipeline
     from fastgrpo.trainer.grpo import TrainingStopped
+    from fastgrpo.trainer.runfolder import TrainingInterrupted
 
     run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only, "eval": pipeline.run_eval,
            "bench": pipeline.run_bench}[args.command]
@@ -132,9 +133,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TrainingStopped as e:
         log(f"fastgrpo: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        log("fastgrpo: interrupted", file=sys.stderr)
-        return 130
+    except TrainingInterrupted as e:  # SIGINT / SIGTERM during GRPO: checkpoint written
+        log(f"fastgrpo: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM before GRPO (or a second one): nothing to save
+        name = str(e) or "SIGINT"
+        log(f"fastgrpo: interrupted by {name} before any GRPO step finished; run the same command to resume",
+            file=sys.stderr)
+        return 143 if name == "SIGTERM" else 130
     except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
         if not _expected(e):
             raise

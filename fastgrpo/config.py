@@ -28,7 +28,7 @@ class ModelConfig:
     num_hidden_layers: int = 2  # tiny model depth
     intermediate_size: int = 128  # tiny model MLP width
     num_attention_heads: int = 2  # tiny model heads (head_dim 32: vLLM's CPU attention needs ≥ 32)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (training dtype of the parameters)
+    dtype: str = "float32"  # float32 | bfloat16 (training dtype of the parameters; float16 is refused: AdamW on fp16 weights without a loss scale overflows)
     seed: int = 0  # initialisation seed of the tiny model
     gradient_checkpointing: bool = False  # recompute activations in backward (memory for time)
 
@@ -89,13 +89,19 @@ REWARD_NAMES = {
 }
 
 
-def check_reward_name(name: str) -> Optional[str]:
-    """None when `name` is a known reward or a `module:function` path; else what is expected."""
-    if name in REWARD_NAMES:
+def check_reward_name(name: str, task_rewards: Sequence[str] = (), syntax_only: bool = False) -> Optional[str]:
+    """None when `name` is a known reward (the library's or one of `task_rewards`) or a
+    `module:function` path; else what is expected. `syntax_only` (the config's own check, which
+    cannot know the task's rewards) accepts any identifier."""
+    if not isinstance(name, str):
+        return "a reward name or 'module:function'"
+    if name in REWARD_NAMES or name in task_rewards:
         return None
-    if isinstance(name, str) and name.count(":") == 1 and all(part.strip() for part in name.split(":")):
+    if name.count(":") == 1 and all(part.strip() for part in name.split(":")):
         return None
-    return f"one of {sorted(REWARD_NAMES)} or a user function as 'module:function'"
+    if syntax_only and name.isidentifier():
+        return None
+    return f"one of {sorted(set(REWARD_NAMES) | set(task_rewards))} or a user function as 'module:function'"
 
 
 
@@ -223,6 +229,14 @@ class DistributedConfig:
 
 
 @dataclass
+class GuardConfig:
+    # beyond finiteness (non-finite losses / gradients always skip the update, max_nan_skips):
+    max_weight_growth: float = 1.5  # an update that grows the global weight norm by more than this factor stops the run, unsaved (0 = off)
+    grad_spike: float = 0.0  # skip an update whose gradient norm exceeds this × the median of the last 20 (0 = off; e.g. 50)
+    grad_spike_warmup: int = 5  # updates seen before the spike guard acts
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # GRPO steps (rollout batches)
     seed: int = 0  # global seed (python, numpy, torch, sampling)
@@ -242,6 +256,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +274,7 @@ _POS_INT = (lambda v: v >= 1), "an integer >= 1"
 
 _CHECKS = {
     "steps": _NONNEG, "max_nan_skips": _POS_INT, "threads": _NONNEG,
-    "model.arch": _choice("qwen2", "llama"), "model.dtype": _choice("float32", "bfloat16", "float16"),
+    "model.arch": _choice("qwen2", "llama"), "model.dtype": _choice("float32", "bfloat16"),
     "model.hidden_size": _POS_INT, "model.num_hidden_layers": _POS_INT,
     "model.intermediate_size": _POS_INT, "model.num_attention_heads": _POS_INT,
     "data.task": _choice("auto", "arithmetic", "math", "code", "jsonl"),
@@ -284,6 +299,8 @@ _CHECKS = {
     "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
     "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
     "sync.every": _POS_INT,
+    "guard.max_weight_growth": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"), "guard.grad_spike": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"),
+    "guard.grad_spike_warmup": _NONNEG,
     "logging.log_every": _POS_INT,
     "checkpoint.every": _NONNEG, "checkpoint.keep_last": _POS_INT,
     "distributed.backend": _choice("none", "deepspeed", "ddp"), "distributed.zero_stage": _choice(0, 1, 2, 3),
@@ -354,6 +371,9 @@ def _from_dict(cls, data: Dict[str, Any], prefix: str = ""):
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Range / choice checks of every field (types were checked while loading)."""
+    if cfg.model.dtype == "float16":
+        _bad("model.dtype", "float16", "float32 or bfloat16: float16 parameters under AdamW without a loss scale "
+             "overflow to NaN (bfloat16 has the same memory and float32's range)")
     flat = to_dict(cfg)
     for path, (ok, want) in _CHECKS.items():
         value = flat
@@ -362,10 +382,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if not ok(value):
             _bad(path, value, want)
     for i, name in enumerate(cfg.rewards.functions):
-        why = check_reward_name(name)
+        why = check_reward_name(name, syntax_only=True)
         if why is not None:
             _bad(f"rewards.functions[{i}]", name, why)
     if len(cfg.rewards.functions) != len(cfg.rewards.weights):
+        # a typo in a name is the likelier fault than the weights: say so first
+        for i, name in enumerate(cfg.rewards.functions):
+            why = check_reward_name(name)
+            if why is not None:
+                _bad(f"rewards.functions[{i}]", name, f"{why} (and rewards.weights one weight per entry)")
         _bad("rewards.weights", cfg.rewards.weights, f"{len(cfg.rewards.functions)} weights, one per rewards.functions entry")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
@@ -459,5 +484,12 @@ def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def dump_config(cfg: TrainConfig, path: str) -> None:
-    with open(path, "w") as f:
+    """Write the config as YAML: a temp file, fsynced, renamed over `path` (never a torn file)."""
+    import os
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

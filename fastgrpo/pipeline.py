@@ -8,6 +8,7 @@ exactly; the "before" accuracy is then read back from metrics.jsonl.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -58,16 +59,34 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     return tok, task, rewards
 
 
+def _load_sft_model(model, sft_dir: str, log: Log) -> bool:
+    """Load a saved SFT model into `model`. A folder without the complete-marker of
+    `save_model_atomic` (an older run's, or one torn by a crash mid-save) is tried; one that does
+    not load is moved aside (`model.broken-<time>`, never deleted) and SFT runs again."""
+    from transformers import AutoModelForCausalLM
+
+    if ckpt.is_complete_model_dir(sft_dir, verify=True):
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
+        return True
+    try:
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
+        return True
+    except Exception as e:  # noqa: BLE001 — any failure: the folder is not a usable model
+        aside = f"{sft_dir}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(sft_dir, aside)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        log(f"[fastgrpo] the saved SFT model {sft_dir} is incomplete ({first}); moved to {aside}, running SFT again")
+        return False
+
+
 def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
     from fastgrpo.trainer.sft import run_sft
 
     sft_dir = os.path.join(cfg.logging.out_dir, "sft", "model")
-    if cfg.checkpoint.resume != "none" and os.path.exists(os.path.join(sft_dir, "config.json")):
-        from transformers import AutoModelForCausalLM
-
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
-        log(f"[fastgrpo] SFT model found in {sft_dir}: skipping the cold start")
-        return
+    if cfg.checkpoint.resume != "none" and os.path.exists(sft_dir):
+        if _load_sft_model(model, sft_dir, log):
+            log(f"[fastgrpo] SFT model found in {sft_dir}: skipping the cold start")
+            return
     bar = _progress(cfg.sft.steps, 0, "sft", cfg.logging.progress and launcher_env().rank == 0)
     t0 = time.perf_counter()
 
@@ -88,22 +107,40 @@ def _prompt_len(tok, problems) -> int:
 
 
 def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
-    """SFT (cfg.sft_first) → eval → GRPO for cfg.steps → eval; returns a summary dict."""
+    """SFT (cfg.sft_first) → eval → GRPO for cfg.steps → eval; returns a summary dict.
+
+    Temporary files live in `<out_dir>/tmp` (removed at the end and at the next start);
+    SIGINT / SIGTERM during GRPO end the run after the current step with a checkpoint
+    (`TrainingInterrupted`), before it interrupt at once (KeyboardInterrupt)."""
+    from fastgrpo.trainer.runfolder import graceful_signals, run_tmpdir
+
+    want_sft = cfg.sft_first and cfg.sft.steps > 0
+    loaded = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
+    os.makedirs(cfg.logging.out_dir, exist_ok=True)
+    from fastgrpo.trainer.backend import launcher_env
+    from fastgrpo.trainer.runlock import RunLock
+
+    # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
+    lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
+    with lock, graceful_signals(None), run_tmpdir(cfg.logging.out_dir):
+        return _train(cfg, log, loaded[1], want_sft)
+
+
+def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import Trainer
+    from fastgrpo.trainer.runfolder import graceful_signals
 
     from fastgrpo.trainer.grpo import seed_everything
 
     t_start = time.perf_counter()
-    want_sft = cfg.sft_first and cfg.sft.steps > 0
-    _, task, _ = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
     _prepare(cfg)
     out = cfg.logging.out_dir
-    dump_config(cfg, os.path.join(out, "config.yaml"))
+    dump_config(cfg, os.path.join(out, "config.yaml"))  # temp file + rename (fastgrpo.config.dump_config)
     seed_everything(cfg.seed)
     model, tok = build_model(cfg.model)
     resume_path = None
     if cfg.checkpoint.resume == "auto":
-        resume_path = ckpt.latest_checkpoint(out)
+        resume_path = ckpt.latest_checkpoint(out, log=log)
     elif cfg.checkpoint.resume != "none":
         resume_path = cfg.checkpoint.resume
     ran_sft = False
@@ -138,10 +175,13 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
                                 tok_s=f"{m.get('perf/throughput', 0):.0f}")
 
         t_rl = time.perf_counter()
-        trainer.train(on_step=on_step)
+        try:
+            with graceful_signals(trainer.request_stop):
+                trainer.train(on_step=on_step)
+        finally:
+            if bar is not None:
+                bar.close()
         rl_s = time.perf_counter() - t_rl
-        if bar is not None:
-            bar.close()
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
             trainer.sync_engine()

@@ -176,7 +176,7 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
         return list(call_reward(task_fns["accuracy"], inputs))
 
     for i, name in enumerate(rcfg.functions):
-        why = check_reward_name(name)
+        why = check_reward_name(name, tuple(task_fns))
         if why is not None:
             raise ValueError(f"config rewards.functions[{i}]={name!r}: unknown reward; expected {why}")
         if ":" in name:

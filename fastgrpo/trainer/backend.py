@@ -341,11 +341,13 @@ class DistributedBackend:
             return False
         return all(bool(torch.isfinite(g).all()) for g in half)
 
-    def step(self) -> float:
+    def step(self, accept=None) -> float:
         """Gradient clipping, optimizer step, scheduler step, zero grads. Returns the global
         gradient norm before clipping. A non-finite gradient is never applied: the step is
         skipped instead (gradients discarded, no optimizer or scheduler step), the returned
-        norm is non-finite and `last_step_skipped` is True. Collective."""
+        norm is non-finite and `last_step_skipped` is True. `accept(norm) -> bool` may refuse a
+        finite norm the same way (the trainer's spike guard; DeepSpeed computes its norm inside
+        its own step, so there it is not consulted). Collective."""
         self.last_step_skipped = False
         if self.kind == "deepspeed":
             bad = torch.tensor([0.0 if self.local_grads_finite() else 1.0])
@@ -365,11 +367,16 @@ class DistributedBackend:
             clip = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
             # the norm is computed before scaling; a non-finite one scales nothing worth keeping
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
-            if math.isfinite(norm):
+            refused = math.isfinite(norm) and accept is not None and not accept(norm)
+            if math.isfinite(norm) and not refused:
                 self.optimizer.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if refused:
+                self.last_step_skipped = True
+                self._last_grad_norm = norm
+                return norm
         self.last_step_skipped = not math.isfinite(norm)
         self._last_grad_norm = norm
         return norm

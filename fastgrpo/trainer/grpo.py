@@ -29,6 +29,7 @@ configured (`rewards.on_error`).
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import random
 import time
@@ -60,6 +61,10 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
+
+
+class _NonFiniteRollout(Exception):
+    """The sampler met non-finite logits: the step is skipped and counted (max_nan_skips)."""
 
 
 class Trainer(CheckpointMixin):
@@ -114,6 +119,10 @@ class Trainer(CheckpointMixin):
         self.reward_errors = 0
         self._check_thinking_budget()
         self._weights_changed = False  # an optimizer step applied since the engine last got the weights
+        self._grad_norms: List[float] = []  # recent accepted gradient norms (guard.grad_spike)
+        self._spiked = False  # the spike guard refused the current update
+        self._stop_signal = None  # SIGINT / SIGTERM received: stop after this step (request_stop)
+        self.spike_skips = 0
         self.syncs_skipped = 0  # steps whose weight sync was skipped because no weight changed
         check_sync_sampling(cfg, shares_module=getattr(self.engine, "model", None) is self.backend.module)
         from fastgrpo.rewards.registry import build_rewards
@@ -176,8 +185,13 @@ class Trainer(CheckpointMixin):
             # for the prompts not seen yet, not one per prompt inside the engine)
             self._tokenize(problems)
             with gen() if gen is not None else contextlib.nullcontext():
-                groups = self.engine.generate([self._prompt_ids[p.id] for p in problems],
-                                              n=self.cfg.rollout.group_size, sampling=self.sampling)
+                try:
+                    groups = self.engine.generate([self._prompt_ids[p.id] for p in problems],
+                                                  n=self.cfg.rollout.group_size, sampling=self.sampling)
+                except ValueError as e:  # the sampler's finiteness check: the policy's logits are NaN / inf
+                    if "not finite" not in str(e):
+                        raise
+                    raise _NonFiniteRollout(str(e)) from None
             if self.cfg.rollout.sleep_between_steps:
                 self.engine.sleep()
         return groups
@@ -372,10 +386,18 @@ class Trainer(CheckpointMixin):
                 if bad:
                     self.backend.discard_gradients()  # under ZeRO the reduced grads live in DeepSpeed's buffers
                 else:
-                    logs["train/grad_norm"] = self.backend.step()
-                    # finite gradients whose global norm overflowed: step() refused to apply them
+                    before = self._weight_norm() if self.cfg.guard.max_weight_growth else None
+                    logs["train/grad_norm"] = self.backend.step(accept=self._grad_guard)
+                    # finite gradients whose global norm overflowed (or spiked): step() refused them
                     bad = bool(getattr(self.backend, "last_step_skipped", False))
                     self._weights_changed = self._weights_changed or not bad
+                    if before is not None and not bad:
+                        self._check_weight_growth(before)
+                if bad and self._spiked:  # refused by the spike guard (reported there), not non-finite
+                    self._spiked = False
+                    self.spike_skips += 1
+                    logs["train/spike_skipped"] = 1.0
+                    break
                 if bad:
                     self.nan_skips += 1
                     logs["train/skipped"] = 1.0
@@ -387,6 +409,46 @@ class Trainer(CheckpointMixin):
                 logs.update({f"loss/{k}": v / n for k, v in st.sums.items()})
                 logs.update({f"loss/{k}": v for k, v in st.extremes.items()})
         return logs
+
+    # ------------------------------------------------------------------ guards
+    def _weight_norm(self) -> float:
+        """Global L2 norm of the weights (ZeRO-3: of the partitions, summed over ranks)."""
+        params = [p.detach() for p in self.backend.module.parameters() if p.numel()]
+        sq = torch.stack([n.float() for n in torch._foreach_norm(params)]).pow(2).sum() if params else torch.zeros(())
+        if self._zero3():
+            sq = torch.tensor(all_reduce_metrics({"sq": float(sq)}, op="sum")["sq"])
+        return float(sq.sqrt())
+
+    def _check_weight_growth(self, before: float) -> None:
+        """The blow-up guard: an update that grows the weight norm by more than
+        guard.max_weight_growth (a learning rate far too high: finite gradients, clipped, and
+        still weights of 1e6) stops the run before anything of that model is checkpointed or
+        synced; the last checkpoint stays the newest."""
+        after = self._weight_norm()
+        limit = self.cfg.guard.max_weight_growth
+        if not math.isfinite(after) or (before > 0 and after > limit * before):
+            raise TrainingStopped(
+                f"stopped at step {self.step_num}: the update grew the weight norm from {before:.4g} to {after:.4g} "
+                f"(more than guard.max_weight_growth={limit}×): the model blew up — optimizer.lr="
+                f"{self.cfg.optimizer.lr:g} is likely too high; nothing of this model was checkpointed")
+
+    def _grad_guard(self, norm: float) -> bool:
+        """Whether to apply an update of gradient norm `norm` (guard.grad_spike × the median of
+        the last 20 accepted norms, after guard.grad_spike_warmup of them)."""
+        g = self.cfg.guard
+        hist = self._grad_norms
+        ok = True
+        if g.grad_spike and len(hist) >= max(1, g.grad_spike_warmup):
+            med = float(np.median(hist[-20:]))
+            ok = not (med > 0 and norm > g.grad_spike * med)
+            if not ok:
+                self._spiked = True
+                self.log(f"[fastgrpo] step {self.step_num}: gradient norm {norm:.4g} is more than guard.grad_spike="
+                         f"{g.grad_spike}× the recent median {med:.4g}: update skipped")
+        if ok and math.isfinite(norm):
+            hist.append(norm)
+            del hist[:-20]
+        return ok
 
     def sync_engine(self) -> None:
         """Bring an engine that is behind the policy (sync.every > 1) up to date now, e.g.
@@ -429,6 +491,20 @@ class Trainer(CheckpointMixin):
         cfg = self.cfg
         t0 = time.perf_counter()
         self.step_num += 1
+        try:
+            return self._step(cfg, t0)
+        except _NonFiniteRollout as e:
+            self.nan_skips += 1
+            self.log(f"[fastgrpo] step {self.step_num}: non-finite logits while sampling, step skipped "
+                     f"({self.nan_skips}/{cfg.max_nan_skips}): {e}")
+            if self.nan_skips >= cfg.max_nan_skips:
+                raise TrainingStopped(f"stopped at step {self.step_num}: {self.nan_skips} steps skipped for non-finite "
+                                      f"logits, loss or gradients (max_nan_skips={cfg.max_nan_skips})") from None
+            logs = {"train/skipped": 1.0, "train/nan_skips": float(self.nan_skips), "timing/step": time.perf_counter() - t0}
+            self.metrics.log(self.step_num, logs)
+            return logs
+
+    def _step(self, cfg, t0) -> Dict[str, float]:
         # DAPO dynamic sampling: more rounds until the batch holds prompts_per_step informative
         # groups over all ranks, at most algorithm.dynamic_max_rounds; one round without it
         sampled = dynamic_sampling(
@@ -479,14 +555,26 @@ class Trainer(CheckpointMixin):
     # ------------------------------------------------------------------ run / state
     def train(self, progress=None, on_step=None) -> Dict[str, float]:
         """Run steps until cfg.steps; checkpoint at the end. Returns the last step's metrics."""
+        from fastgrpo.trainer.runfolder import TrainingInterrupted
+
         last: Dict[str, float] = {}
         while self.step_num < self.cfg.steps:
             last = self.step()
             if on_step is not None:
                 on_step(self.step_num, last)
+            if self._stop_signal is not None:  # SIGINT / SIGTERM during the step: checkpoint, then stop
+                path = self.save()
+                raise TrainingInterrupted(self._stop_signal, self.step_num, path)
         if self.cfg.checkpoint.at_end and self.step_num > 0:
             self.save()
         return last
+
+    def request_stop(self, signum: int) -> None:
+        """Finish the current step, checkpoint and raise TrainingInterrupted (a signal handler
+        calls this: fastgrpo.trainer.runfolder.graceful_signals)."""
+        self._stop_signal = signum
+        self.log(f"[fastgrpo] {__import__('signal').Signals(signum).name}: stopping after step {self.step_num + 1} "
+                 "with a checkpoint (send it again to stop at once)")
 
     def close(self) -> None:
         self.metrics.close()

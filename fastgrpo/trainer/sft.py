@@ -94,7 +94,8 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     if logger is not None:
         logger.close()
     if out_dir:
-        path = os.path.join(out_dir, "sft", "model")
-        model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        from fastgrpo.trainer.checkpoint import save_model_atomic
+
+        # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts
+        save_model_atomic(model, tokenizer, os.path.join(out_dir, "sft", "model"))
     return last

@@ -156,11 +156,14 @@ def test_code_reward_needs_tests_and_scores_them():
 
 
 def test_bad_reward_entries_fail_at_config_load():
+    # the library's names and the task's own are known when the rewards are built (before any model)
     with pytest.raises(ValueError, match=r"rewards.functions\[1\]='acuracy'.*one of \['accuracy'"):
-        load_config(None, ["rewards.functions=[format, acuracy]", "rewards.weights=[1.0, 1.0]"])
-    # a typo is reported as the typo, not as a weights count mismatch
-    with pytest.raises(ValueError, match="nonexistent"):
-        load_config(None, ["rewards.functions=[nonexistent]"])
+        build_rewards(_rc("format", "acuracy"), Task(), 64)
+    # the config itself refuses what cannot be a name, and a typo is not a weights-count mismatch
+    with pytest.raises(ValueError, match=r"rewards.functions\[0\]='no such'"):
+        load_config(None, ["rewards.functions=[no such]"])
+    with pytest.raises(ValueError, match="rewards.weights"):
+        load_config(None, ["rewards.functions=[accuracy, format]"])
     with pytest.raises(ValueError, match="rewards.weights"):
         load_config(None, ["rewards.functions=[accuracy, format]"])
     with pytest.raises(ValueError, match="accuracy reward"):

@@ -43,7 +43,7 @@ def test_roundtrip_dump(tmp_path):
     ("algorithm.kl=k9", "algorithm.kl"),
     ("logging.tensorboard=maybe", "logging.tensorboard"),  # not a bool
     ("rewards.weights=[1.0]", "rewards.weights"),          # 2 functions, 1 weight
-    ("rewards.functions=[accuracy, magic]", "rewards.functions[1]"),
+    ("rewards.functions=[accuracy, magic words]", "rewards.functions[1]"),
     ("eval.num_samples=4", "eval.temperature"),            # pass@k needs sampling
 ])
 def test_invalid_values_name_the_field(override, field):

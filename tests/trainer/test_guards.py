@@ -1,0 +1,155 @@
+"""Blow-ups, signals and the run folder's temp files (issue 14): fp16 refused at load; a learning
+rate of 1e6 stops the run with its reason and writes no checkpoint of the blown-up model; the
+spike guard refuses an update; non-finite sampler logits are a counted, skipped step; SIGTERM
+ends a CLI run with a checkpoint, exit 143 and no temp files left, and the run resumes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from trainer_helpers import TINY, NoisyTask
+
+from fastgrpo.config import load_config
+from fastgrpo.trainer.grpo import Trainer, TrainingStopped
+from fastgrpo.trainer.runfolder import graceful_signals, run_tmpdir
+
+
+def test_float16_is_refused_at_load_with_the_reason():
+    with pytest.raises(ValueError, match=r"model.dtype='float16'.*loss scale.*bfloat16"):
+        load_config(None, ["model.dtype=float16"])
+
+
+def test_a_huge_learning_rate_stops_the_run_unsaved(cfg_factory, tmp_path):
+    cfg = cfg_factory("steps=4", "optimizer.lr=1e6", "checkpoint.every=1", "checkpoint.at_end=true")
+    t = Trainer(cfg, task=NoisyTask(), log=lambda m: None)
+    with pytest.raises(TrainingStopped, match=r"weight norm .* blew up .*optimizer.lr=1e\+06"):
+        t.train()
+    t.close()
+    assert t.step_num == 1
+    assert not os.path.isdir(os.path.join(cfg.logging.out_dir, "checkpoints")) or not os.listdir(
+        os.path.join(cfg.logging.out_dir, "checkpoints"))
+
+
+def test_the_weight_guard_lets_a_normal_update_through(cfg_factory):
+    t = Trainer(cfg_factory("steps=2"), task=NoisyTask(), log=lambda m: None)
+    t.train()
+    assert t.step_num == 2 and t.nan_skips == 0
+    t.close()
+
+
+def test_spike_guard_refuses_an_outlier_and_keeps_the_weights(cfg_factory):
+    msgs = []
+    t = Trainer(cfg_factory("guard.grad_spike=4", "guard.grad_spike_warmup=3"), task=NoisyTask(), log=msgs.append)
+    assert t._grad_guard(1.0) and t._grad_guard(1.2) and t._grad_guard(0.9)
+    assert not t._grad_guard(10.0) and any("guard.grad_spike=4" in m for m in msgs)
+    assert t._grad_guard(3.0)  # below 4 × the median
+    # the backend applies nothing when the guard refuses
+    model = t.backend.module
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    t.backend.step(accept=lambda n: False)
+    assert t.backend.last_step_skipped
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    t.close()
+
+
+def test_nonfinite_sampler_logits_are_a_counted_skip(cfg_factory):
+    msgs = []
+    t = Trainer(cfg_factory("steps=5", "max_nan_skips=2"), task=NoisyTask(), log=msgs.append)
+    with torch.no_grad():
+        t.backend.module.lm_head.weight.fill_(float("nan"))
+    logs = t.step()
+    assert logs["train/skipped"] == 1.0 and t.nan_skips == 1
+    assert any("non-finite logits while sampling" in m for m in msgs)
+    with pytest.raises(TrainingStopped, match="max_nan_skips=2"):
+        t.step()
+    t.close()
+
+
+def test_run_tmpdir_holds_temp_files_and_cleans_leftovers(tmp_path):
+    out = tmp_path / "run"
+    (out / "tmp" / "fastgrpo_vllm_left").mkdir(parents=True)  # what a kill -9 left
+    with run_tmpdir(str(out)) as tmp:
+        assert not os.path.exists(out / "tmp" / "fastgrpo_vllm_left")
+        d = tempfile.mkdtemp(prefix="fastgrpo_vllm_")
+        assert d.startswith(tmp) and os.environ["TMPDIR"] == tmp
+    assert not os.path.exists(out / "tmp") and tempfile.gettempdir() != tmp
+
+
+def test_first_signal_requests_a_stop_second_interrupts():
+    got = []
+    with graceful_signals(got.append):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):  # outside GRPO: at once
+        with graceful_signals(None):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_sigterm_checkpoints_cleans_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "fastgrpo.cli", "train", "--out", str(out)]
+    sets = [x for item in TINY if not item.startswith(("steps=", "checkpoint.")) for x in ("--set", item)]
+    sets += ["--set", "steps=10000", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=true",
+             "--set", "data.num_heldout=0"]
+    p = subprocess.Popen(args + sets, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and any('"reward/mean"' in line for line in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.communicate()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    assert "interrupted by SIGTERM" in err and "checkpoint" in err and "Traceback" not in err
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    assert ckpts, "no checkpoint written on SIGTERM"
+    assert not (out / "tmp").exists()
+    step = int(ckpts[-1].split("-")[1])
+    r = subprocess.run(args + [s if s != "steps=10000" else f"steps={step + 1}" for s in sets],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from" in r.stdout and f"at step {step}" in r.stdout
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    assert max(row["step"] for row in rows if "reward/mean" in row) == step + 1
+
+
+def test_a_second_run_on_a_locked_folder_is_refused_with_the_holder(cfg_factory):
+    from fastgrpo.pipeline import run_train
+    from fastgrpo.trainer.runlock import RunLock, RunLockError
+
+    cfg = cfg_factory("steps=1")
+    with RunLock(cfg.logging.out_dir, log=lambda m: None):
+        with pytest.raises(RunLockError, match=str(os.getpid())):
+            run_train(cfg, log=lambda m: None)
+    assert not os.path.exists(os.path.join(cfg.logging.out_dir, "metrics.jsonl"))
+
+
+def test_a_torn_sft_folder_is_moved_aside_and_sft_runs_again(cfg_factory):
+    from fastgrpo.pipeline import run_train
+
+    cfg = cfg_factory("steps=1", "sft_first=true", "sft.steps=1")
+    sft = os.path.join(cfg.logging.out_dir, "sft", "model")
+    os.makedirs(sft)
+    with open(os.path.join(sft, "config.json"), "w") as f:
+        f.write('{"model_type": "qwen2", "hidd')  # torn mid-write
+    logs = []
+    run_train(cfg, log=logs.append)
+    assert any("is incomplete" in m and "running SFT again" in m for m in logs)
+    assert any("SFT cold start: 1 steps" in m for m in logs)
+    parent = os.path.dirname(sft)
+    assert [d for d in os.listdir(parent) if d.startswith("model.broken-")], "the torn folder must be kept"
+    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+
+    assert is_complete_model_dir(sft)
