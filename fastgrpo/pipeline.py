@@ -53,6 +53,11 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     tok, ctx = build_tokenizer(cfg.model)
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "none"):  # an explicit checkpoint: checked now, not after an engine has started
+        why = ckpt.verify_checkpoint(r) if os.path.isdir(r) else f"{r} is not a checkpoint folder"
+        if why is not None:
+            raise ValueError(f"config checkpoint.resume={r!r}: {why}")
     if need_sft and not hasattr(task, "sft_completion") and not getattr(task, "has_completions", False):
         raise ValueError(f"config sft_first=true: SFT needs a reference completion in every train row of {cfg.data.path} "
                          "(map one with data.columns.completion), or set sft_first=false")

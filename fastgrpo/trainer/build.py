@@ -86,9 +86,9 @@ def build_tokenizer(mcfg: ModelConfig):
     """(tokenizer, context length or None) of model.path without loading the weights: the task
     is formatted and checked with it before the model or any engine starts."""
     if mcfg.path == "tiny":
-        from fastgrpo.models.tiny import build_char_tokenizer
+        from fastgrpo.models.tiny import build_char_tokenizer, tiny_config
 
-        return build_char_tokenizer(), None
+        return build_char_tokenizer(), tiny_config(mcfg.arch).max_position_embeddings
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model_dir(mcfg.path)

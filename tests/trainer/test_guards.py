@@ -153,3 +153,17 @@ def test_a_torn_sft_folder_is_moved_aside_and_sft_runs_again(cfg_factory):
     from fastgrpo.trainer.checkpoint import is_complete_model_dir
 
     assert is_complete_model_dir(sft)
+
+
+def test_a_huge_prompt_and_a_bad_resume_path_are_refused_at_load(cfg_factory, tmp_path):
+    from fastgrpo.pipeline import load_run
+
+    data = tmp_path / "big.jsonl"
+    data.write_text(json.dumps({"prompt": "1+" * 500_000 + "1=", "answer": "2"}) + "\n"
+                    + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    t0 = time.time()
+    with pytest.raises(ValueError, match=r"big.jsonl:1: the prompt is 1000002 tokens, over the cap"):
+        load_run(cfg_factory(f"data.path={data}"))
+    assert time.time() - t0 < 60
+    with pytest.raises(ValueError, match="checkpoint.resume"):
+        load_run(cfg_factory(f"checkpoint.resume={tmp_path / 'nope'}"))
