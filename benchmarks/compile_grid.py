@@ -38,6 +38,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_WARPS_PER_SM = 16  # 25 % occupancy on sm_80 / sm_90 (64 warps per SM)
+MIN_WARPS_CCE = 8  # the matmul kernels: one 8-warp CTA per SM with its 64×128 fp32 accumulator
 _SM = {90: dict(regs=65536, smem=228 * 1024, warps=64, blocks=32),
        80: dict(regs=65536, smem=164 * 1024, warps=64, blocks=32)}
 _T = {"bf16": ("bf16", 2), "fp16": ("fp16", 2), "fp32": ("fp32", 4), "fp64": ("fp64", 8)}
@@ -45,7 +46,7 @@ _T = {"bf16": ("bf16", 2), "fp16": ("fp16", 2), "fp32": ("fp32", 4), "fp64": ("f
 
 @dataclasses.dataclass(frozen=True)
 class Build:
-    kernel: str  # "fwd" (token log-probs) or "bwd" (logits gradient)
+    kernel: str  # "fwd" (token log-probs), "bwd" (logits gradient), "cce_fwd" / "cce_bwd" (fused lm_head)
     arch: int  # 90 or 80
     dtype: str  # logits dtype
     flag: bool  # HAS_ENT (fwd) / HAS_H (bwd)
@@ -55,6 +56,7 @@ class Build:
     num_warps: int
     num_stages: int = 1
     targets: str = "i64"
+    block_h: int = 0  # cce kernels: hidden columns per dot step
 
 
 def _spec(b: Build):
@@ -66,6 +68,8 @@ def _spec(b: Build):
     acc = "fp64" if b.dtype == "fp64" else "fp32"
     stride_ok = b.layout != "u"
     cols_ok = b.layout == "a"
+    if b.kernel.startswith("cce"):
+        return _cce_spec(b, t)
     if b.kernel == "fwd":
         fn = _token_logprobs_fwd_kernel
         sig = {"logits_ptr": f"*{t}", "targets_ptr": f"*{b.targets}", "logp_ptr": f"*{acc}", "lse_ptr": f"*{acc}",
@@ -83,6 +87,35 @@ def _spec(b: Build):
     consts.update(FP64=b.dtype == "fp64", BLOCK_N=b.block_n, BLOCK_V=b.block_v)
     for k in consts:
         sig[k] = "constexpr"
+    return fn, sig, consts, div
+
+
+def _cce_spec(b: Build, t: str):
+    """The fused lm_head kernels (kernels/triton/fused_linear.py): H a multiple of 16, so the
+    operand rows are aligned; V aligned or odd (the column clamp keeps the loads along H)."""
+    from fastgrpo.kernels.triton.fused_linear import _cce_bwd_kernel, _cce_fwd_kernel
+
+    cols_ok = b.layout == "a"
+    if b.kernel == "cce_fwd":
+        fn = _cce_fwd_kernel
+        ptrs = ["h_ptr", "w_ptr", "b_ptr", "targets_ptr", "logp_ptr", "lse_ptr", "ent_ptr"]
+        types = [f"*{t}"] * 3 + [f"*{b.targets}"] + ["*fp32"] * 3
+        ints = ["stride_hn", "stride_wv", "n_rows", "n_cols", "n_hidden"]
+        consts = {"HAS_BIAS": True, "HAS_ENT": b.flag}
+    else:
+        fn = _cce_bwd_kernel
+        ptrs = ["h_ptr", "w_ptr", "b_ptr", "targets_ptr", "lse_ptr", "g_ptr", "hh_ptr", "ent_ptr", "dh_ptr", "dw_ptr",
+                "db_ptr"]
+        types = [f"*{t}"] * 3 + [f"*{b.targets}"] + ["*fp32"] * 7
+        ints = ["stride_hn", "stride_wv", "stride_dhn", "stride_dwv", "n_rows", "n_cols", "n_hidden"]
+        consts = {"HAS_BIAS": True, "HAS_H": b.flag, "HAS_DH": True, "HAS_DW": True, "HAS_DB": True}
+    sig = dict(zip(ptrs, types))
+    sig.update({k: "i32" for k in ints})
+    sig["inv_temp"] = "fp32"
+    consts.update(BLOCK_N=b.block_n, BLOCK_V=b.block_v, BLOCK_H=b.block_h)
+    for k in consts:
+        sig[k] = "constexpr"
+    div = [i for i, k in enumerate(sig) if k in ptrs or (k in ints and (cols_ok or k != "n_cols"))]
     return fn, sig, consts, div
 
 
@@ -119,7 +152,8 @@ def compile_build(b: Build) -> dict:
         res["ldg_narrow"] = len(loads) - res["ldg128"]
         elem = _T[b.dtype][1]
         per_thread = b.block_n * b.block_v // (32 * b.num_warps)
-        res["need128"] = max(1, per_thread * elem // 16)
+        # cce: the operand tiles, at least one 128-bit load; the others: every logits element
+        res["need128"] = 1 if b.kernel.startswith("cce") else max(1, per_thread * elem // 16)
         res["sass_hash"] = hashlib.sha1(re.sub(r"/\*[0-9a-f]{4}\*/", "", sass).encode()).hexdigest()[:16]
         res["warps_per_sm"] = _resident_warps(b.arch, res["regs"], res["shared"], b.num_warps)
         res["ok"] = True
@@ -149,7 +183,7 @@ def failures(r: dict) -> list:
         out.append(f"spills {r['spill']} B")
     if r["layout"] in "at" and r["ldg128"] < r["need128"]:
         out.append(f"{r['ldg128']} LDG.E.128 < {r['need128']} needed")
-    if r["warps_per_sm"] < MIN_WARPS_PER_SM:
+    if r["warps_per_sm"] < (MIN_WARPS_CCE if r["kernel"].startswith("cce") else MIN_WARPS_PER_SM):
         out.append(f"{r['warps_per_sm']} warps/SM < {MIN_WARPS_PER_SM} (regs {r['regs']}, smem {r['shared']})")
     return out
 
@@ -171,6 +205,13 @@ def grid(ci: bool = False, stages: bool = False) -> list:
                                 continue  # never picked for unaligned rows
                             builds.append(Build(kernel, arch, dtype, flag, layout, c.block_n, c.block_v,
                                                 c.num_warps, c.num_stages))
+    for arch in sets:
+        for kernel in ("cce_fwd", "cce_bwd"):
+            for dtype in ("bf16", "fp16", "fp32"):
+                bn, bv, bh, w = _cce_blocks(dtype)
+                for flag in (False, True):
+                    for layout in "at":
+                        builds.append(Build(kernel, arch, dtype, flag, layout, bn, bv, w, block_h=bh))
     if stages:
         builds += [dataclasses.replace(b, num_stages=2) for b in builds
                    if b.arch == 90 and b.dtype == "bf16" and b.layout == "a" and b.flag]
@@ -191,11 +232,28 @@ def grid(ci: bool = False, stages: bool = False) -> list:
                     (b.dtype == "bf16" and b.layout in "tu") or (b.kernel == "fwd" and b.dtype == "bf16")
                     or (b.layout == "a" and b.dtype in ("fp32", "fp16") and b.kernel == "bwd")):
                 keep.append(b)
+        keep += [b for b in builds if b.kernel.startswith("cce") and b.arch == 90 and b.flag and b.layout == "a"
+                 and b.dtype in ("bf16", "fp32")]
         keep += [Build("fwd", 90, "fp64", True, "a", 1, 4096, 16), Build("bwd", 80, "bf16", True, "a", 64, 64, 8),
                  Build("fwd", 80, "bf16", True, "a", 64, 64, 8),
                  Build("fwd", 90, "bf16", True, "a", 1, 4096, 8, targets="i32")]
         builds = list(dict.fromkeys(keep))
     return builds
+
+
+def _cce_blocks(dtype: str):
+    """The GPU tiles of kernels/triton/fused_linear.py (its interpreter tiles differ)."""
+    import torch
+
+    from fastgrpo.kernels.triton import fused_linear
+
+    saved = fused_linear.INTERPRET
+    fused_linear.INTERPRET = False
+    try:
+        return fused_linear._blocks(1 << 16, 1 << 17, 4096, getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                                            "fp32": "float32"}[dtype]))
+    finally:
+        fused_linear.INTERPRET = saved
 
 
 def run(builds, workers: int = 1) -> list:
@@ -222,8 +280,9 @@ def table(results) -> str:
     lines = [head, "|" + "---|" * 14]
     for r in results:
         bad = failures(r)
+        bh = f"×{r['block_h']}" if r.get("block_h") else ""
         lines.append(f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {int(r['flag'])} | {r['layout']} | "
-                     f"{r['block_n']}×{r['block_v']}/{r['num_warps']}/{r['num_stages']} | {r['regs']} | {r['spill']} | "
+                     f"{r['block_n']}×{r['block_v']}{bh}/{r['num_warps']}/{r['num_stages']} | {r['regs']} | {r['spill']} | "
                      f"{r['shared']} | {r['ldg128']} ({r['need128']}) | {r['ldg_narrow']} | {r['warps_per_sm']} | "
                      f"{r['seconds']} | {'ok' if not bad else '; '.join(bad)} |")
     return "\n".join(lines)

@@ -216,7 +216,10 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     # the [N, V] logits are never built, so the shared check runs on a stride-0 stand-in of that shape
     check_logits_targets(hidden.new_zeros(()).expand(n, weight.shape[0]), targets, "hidden@weight.T")
     cu = _validate(n, hidden.device, advantages, mask, old_logp, ref_logp, weights, cu_seqlens, config, num_items)
-    impl = _resolve_impl(impl, hidden, "fused_linear")
+    # "cce": the single-kernel lm_head + log-probs (kernels/triton/fused_linear.py), fused path only
+    impl = impl if impl == "cce" else _resolve_impl(impl, hidden, "fused_linear")
+    if impl == "cce" and not (hidden.is_cuda or env.triton_interpret()):
+        raise ValueError(f"impl='cce': needs CUDA tensors (got device {hidden.device}), or TRITON_INTERPRET=1")
     kw = dict(bias=bias, mask=mask, old_logp=old_logp, ref_logp=ref_logp, weights=weights, cu_seqlens=cu,
               config=config, num_items=num_items, chunk_size=chunk_size, return_entropy=return_entropy)
     if impl == "reference":

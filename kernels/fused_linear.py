@@ -19,8 +19,9 @@ TRITON_INTERPRET, or the torch streaming twins of `cpu_stream.py` on CPU (`impl=
 algorithm for both, the kernels per chunk are the backend. (This is the only fused-linear
 algorithm: the gradient-in-forward scheme needs 3 matmuls where recomputing the chunk in the
 backward needs 4, and sequence-level ratios take the two-sweep branch below.)
-A single kernel that fuses the matmul tile with the loss (Apple's Cut Cross-Entropy) is not
-done: the chunk logits still make one round trip through memory.
+Backend "cce" (`triton/fused_linear.py`) is the single-kernel alternative (Apple's Cut
+Cross-Entropy): the matmul tile and the online log-sum-exp in one kernel, so no logits tile
+reaches memory; all N tokens go in one launch (nothing N×V is held), the objective in between.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from fastgrpo.kernels import cpu_stream
 # 2.5 GB for 152k×4096), 32 MiB on CPU where the streaming torch path tiles again anyway.
 _CHUNK_BYTES_CUDA = 1 << 30
 _CHUNK_BYTES_CPU = 1 << 25
-FUSED_BACKENDS = ("triton", "torch")
+FUSED_BACKENDS = ("triton", "torch", "cce")
 
 
 def default_chunk_size(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -109,6 +110,8 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
                      backend: str, need_entropy: bool, need_dh: bool, need_dw: bool, need_db: bool):
     """Launcher (no autograd): returns loss, logp, entropy, ratio, kl and the gradients
     dH [N, H] (hidden dtype), dW [V, H] fp32, db [V] fp32 (None where not needed)."""
+    if backend == "cce":
+        return _fused_linear_cce(hidden, weight, bias, targets, inp, config, need_entropy, need_dh, need_dw, need_db)
     fwd, bwd = (_triton_fwd, _triton_bwd) if backend == "triton" else (_torch_fwd, _torch_bwd)
     n, _ = hidden.shape
     v = weight.shape[0]
@@ -171,6 +174,25 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
     return loss, logp, ent, ratio, kl, dh, dw, db
 
 
+def _fused_linear_cce(hidden, weight, bias, targets, inp: ObjectiveInputs, config: LossConfig, need_entropy: bool,
+                      need_dh: bool, need_dw: bool, need_db: bool):
+    """Backend "cce": log-probs of all N tokens from one kernel, the objective on [N] vectors,
+    then one gradient kernel accumulating dH (fp32, cast at the end), dW and db."""
+    from fastgrpo.kernels.triton.fused_linear import cce_bwd, cce_fwd
+
+    tau = config.temperature
+    need_ent = need_entropy or config.entropy_coef != 0.0
+    logp, lse, ent = cce_fwd(hidden, weight, bias, targets, tau, need_ent)
+    loss, g, h, ratio, kl = objective_coefficients(logp, ent, inp, config)
+    dev, v = hidden.device, weight.shape[0]
+    dh32 = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.zeros(v, weight.shape[1], dtype=torch.float32, device=dev) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+    cce_bwd(hidden, weight, bias, targets, lse, g, h, ent if h is not None else None, tau, dh32, dw, db)
+    dh = dh32.to(hidden.dtype) if need_dh else None
+    return loss, logp, ent, ratio, kl, dh, dw, db
+
+
 class FusedLinearGRPOFunction(torch.autograd.Function):
     """Gradients are made in the forward; the backward scales them by the upstream gradient."""
 
@@ -210,7 +232,7 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     config = config or LossConfig()
     if backend not in FUSED_BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {FUSED_BACKENDS}")
-    if backend == "triton" and not (hidden.is_cuda or env.triton_interpret()):
+    if backend in ("triton", "cce") and not (hidden.is_cuda or env.triton_interpret()):
         raise ValueError("impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); use 'torch' or 'auto'")
     n = hidden.shape[0]
     dev = hidden.device

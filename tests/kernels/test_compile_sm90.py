@@ -2,8 +2,9 @@
 bundled ptxas on this CPU machine, and their SASS read (benchmarks/compile_grid.py): every build
 compiles, bf16 / fp16 / fp32 builds do not spill, aligned builds (also with an odd V, whose tail
 is peeled) load the logits with 128-bit vector loads, registers and shared memory leave at least
-16 resident warps per SM. The CI set (~26 builds, ~30 s cold on 2 cores, seconds with Triton's
-cache) covers every Hopper config of the backward kernel; `python benchmarks/compile_grid.py`
+16 resident warps per SM (8 for the fused lm_head kernels of impl="cce"). The CI set (32
+builds, ~35 s cold on 2 cores, seconds with Triton's cache) covers every Hopper config of the
+backward kernel and the cce kernels in bf16 and fp32; `python benchmarks/compile_grid.py`
 runs the whole grid.
 
 Compilation needs TRITON_INTERPRET unset while tests/conftest.py sets it for the rest of the
@@ -60,7 +61,8 @@ def test_the_ci_set_is_representative(ci_results):
     bwd90 = {(r["block_n"], r["block_v"], r["num_warps"]) for r in results
              if r["kernel"] == "bwd" and r["arch"] == 90 and r["dtype"] == "bf16" and r["layout"] == "a"}
     assert bwd90 == {(c.block_n, c.block_v, c.num_warps) for c in _tune.SM90}
-    assert {r["kernel"] for r in results} == {"fwd", "bwd"} and {r["arch"] for r in results} == {80, 90}
+    assert {r["kernel"] for r in results} == {"fwd", "bwd", "cce_fwd", "cce_bwd"}
+    assert {r["arch"] for r in results} == {80, 90}
     assert {r["dtype"] for r in results} == {"bf16", "fp16", "fp32", "fp64"}
     assert {r["layout"] for r in results} == {"a", "t", "u"}
     # the odd-V layout keeps its 128-bit loads thanks to the peeled tail
@@ -69,12 +71,13 @@ def test_the_ci_set_is_representative(ci_results):
 
 def test_spill_and_vector_checks_catch_bad_builds():
     """The checks themselves, on made-up results (a check that passes everything proves nothing)."""
-    good = dict(ok=True, dtype="bf16", layout="a", spill=0, ldg128=4, need128=4, warps_per_sm=16, regs=128, shared=0)
+    good = dict(ok=True, kernel="bwd", dtype="bf16", layout="a", spill=0, ldg128=4, need128=4, warps_per_sm=16, regs=128, shared=0)
     assert compile_grid.failures(good) == []
     assert compile_grid.failures(dict(good, spill=624)) == ["spills 624 B"]
     assert compile_grid.failures(dict(good, dtype="fp64", spill=624)) == []
     assert "LDG.E.128" in compile_grid.failures(dict(good, ldg128=0))[0]
     assert compile_grid.failures(dict(good, layout="u", ldg128=0)) == []
     assert "warps/SM" in compile_grid.failures(dict(good, warps_per_sm=8))[0]
+    assert compile_grid.failures(dict(good, kernel="cce_bwd", warps_per_sm=8)) == []  # one 8-warp matmul CTA
     assert compile_grid.failures(dict(ok=False, error="PTXASError: x"))[0].startswith("compile:")
     assert compile_grid._resident_warps(90, 128, 0, 8) == 16 and compile_grid._resident_warps(90, 255, 0, 4) == 8
