@@ -46,12 +46,13 @@ def config(level="token"):
     return LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl="k3", loss_agg="token-mean", ratio_level=level)
 
 
-def ours(inp, level="token", chunk_size=None):
+def ours(inp, level="token", chunk_size=None, impl="triton"):
+    """impl "triton": the chunked path (chunk logits through memory); "cce": the single kernel."""
     from fastgrpo.loss import fused_linear_grpo_loss
 
     return fused_linear_grpo_loss(inp["hidden"], inp["weight"], inp["targets"], inp["adv"], mask=inp["mask"],
                                   old_logp=inp["old"], ref_logp=inp["ref"], cu_seqlens=inp["cu"],
-                                  config=config(level), impl="triton", chunk_size=chunk_size).loss
+                                  config=config(level), impl=impl, chunk_size=chunk_size).loss
 
 
 def bare_matmuls(inp, grad):
@@ -93,11 +94,12 @@ def check(device, dtype, cpu_smoke):
     for level in ("token", "sequence"):
         inp = make_inputs(n, h, v, dtype, device, seed=1)
         res = {}
-        for name, dt in (("truth", torch.float64), ("ref", dtype), ("kern", dtype)):
+        for name, dt in (("truth", torch.float64), ("ref", dtype), ("kern", dtype), ("cce", dtype)):
             hid = inp["hidden"].to(dt).clone().requires_grad_(True)
             w = inp["weight"].to(dt).clone().requires_grad_(True)
-            if name == "kern":
-                loss = ours(dict(inp, hidden=hid, weight=w), level, chunk_size=max(n // 3, 1))
+            if name in ("kern", "cce"):
+                loss = ours(dict(inp, hidden=hid, weight=w), level, chunk_size=max(n // 3, 1),
+                            impl="triton" if name == "kern" else "cce")
             else:
                 loss = grpo_loss_reference(hid @ w.t(), inp["targets"], inp["adv"].to(dt), mask=inp["mask"],
                                            old_logp=inp["old"], ref_logp=inp["ref"], cu_seqlens=inp["cu"],
@@ -105,9 +107,10 @@ def check(device, dtype, cpu_smoke):
             loss.backward()
             res[name] = (loss, hid.grad, w.grad)
         atol, rtol = (1e-3, 8e-3) if dtype != torch.float32 else (2e-6, 2e-5)
-        for i, what in enumerate(("loss", "d_hidden", "d_weight")):
-            lines.append(f"fused {level} N={n} H={h} V={v}: " + oracle_check(
-                what, res["kern"][i], res["ref"][i], res["truth"][i], atol, rtol))
+        for kern, tag in (("kern", "fused"), ("cce", "cce")):
+            for i, what in enumerate(("loss", "d_hidden", "d_weight")):
+                lines.append(f"{tag} {level} N={n} H={h} V={v}: " + oracle_check(
+                    what, res[kern][i], res["ref"][i], res["truth"][i], atol, rtol))
         del res, inp
         gc.collect()
     return lines
@@ -142,6 +145,7 @@ def run_bench(ns, h, vs, dtype, device, bench, liger_compile):
             gc.collect()
             case("fastgrpo fused token-ratio", lambda: ours(inp).backward())
             case("fastgrpo fused sequence-ratio", lambda: ours(inp, "sequence").backward())
+            case("fastgrpo cce single kernel token-ratio", lambda: ours(inp, impl="cce").backward())
             if trl_fn is not None:
                 case(f"trl chunked logprob (vocab chunk {trl_chunk})",
                      lambda: trl_chunked(inp, trl_fn.apply, trl_chunk).backward())

@@ -7,7 +7,7 @@
 #      logits gradient; N = 70 001 > 65 535 rows; fused lm_head gradients of hidden and weight);
 #   2. loss kernels: fwd / bwd / fwd+bwd for N ∈ {4k, 16k, 64k} × V ∈ {32k, 128k, 152k}, bf16,
 #      vs Liger-Kernel's triton_grpo_loss and TRL's path (ms, GB/s, fraction of the floor, memory);
-#   3. fused lm_head + loss vs the bare matmuls, Liger's LigerFusedLinearGRPOLoss, TRL's chunked
+#   3. fused lm_head + loss (chunked path, and impl="cce": the single kernel) vs the bare matmuls, Liger's LigerFusedLinearGRPOLoss, TRL's chunked
 #      lm_head log-probs;
 #   4. benchmarks/gpu_ipc_check.py (CUDA-IPC weight-bucket transfer) when it exists.
 # Liger-Kernel is optional: a pure-Python wheel dropped into benchmarks/wheels/ is installed

@@ -30,6 +30,10 @@ SUITE = [(4096, 151_936, "bf16", True), (4096, 151_936, "fp32", True),
 SUITE += [(n, v, "bf16", False) for n in (4096, 16_385) for v in (32_768, 131_072, 151_936)]
 SUITE += [(3456, 151_936, "bf16", False)]
 SMOKE = [(40, 300, "bf16", True), (70, 5, "fp32", False), (96, 333, "bf16", False)]
+# impl="cce" (fixed tiles, compiled on first use): (N, H, V, dtype) of bench_gpu_fused_linear.py's
+# check and timings; N = 64 has the divisibility of theirs, so the same binaries are built.
+CCE = [(64, 1024, 32_768, "bf16"), (64, 4096, 151_936, "bf16")]
+CCE_SMOKE = [(48, 16, 100, "bf16")]
 
 
 def warm(n, v, dtype, ent, device):
@@ -46,6 +50,20 @@ def warm(n, v, dtype, ent, device):
     _, lse, _ = token_logprobs_fwd(logits, targets, 1.0, ent)
     g = torch.full_like(lse, 1e-3)
     grpo_loss_bwd(logits, targets, lse, g, None, None, 1.0, out=logits)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def warm_cce(n, hdim, v, dtype, device):
+    import torch
+
+    from fastgrpo.loss import fused_linear_grpo_loss
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    hid = (torch.randn(n, hdim, device=device) * 0.1).to(dt).requires_grad_(True)
+    w = (torch.randn(v, hdim, device=device) * 0.02).to(dt).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), device=device)
+    fused_linear_grpo_loss(hid, w, targets, torch.randn(n, device=device), impl="cce").loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -76,6 +94,15 @@ def main(argv=None) -> int:
                   f"{type(e).__name__}: {str(e)[:300]}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for n, hdim, v, dtype in CCE_SMOKE if args.cpu_smoke else CCE:
+        t = time.perf_counter()
+        try:
+            warm_cce(n, hdim, v, dtype, device)
+            print(f"warm-up cce N={n} H={hdim} V={v} {dtype}: {time.perf_counter() - t:.1f} s", flush=True)
+        except Exception as e:
+            failed += 1
+            print(f"warm-up cce N={n} H={hdim} V={v} {dtype}: FAILED after {time.perf_counter() - t:.1f} s: "
+                  f"{type(e).__name__}: {str(e)[:300]}", flush=True)
     from fastgrpo.kernels.triton.grpo_loss import GRPO_LOSS_BWD
     from fastgrpo.kernels.triton.logprobs import TOKEN_LOGPROBS_FWD
 

@@ -48,10 +48,11 @@ def test_fused_linear_bench_smoke(tmp_path, capsys):
     out = tmp_path / "f.csv"
     printed = _smoke(bench_gpu_fused_linear, ["--ns", "48", "--vs", "100", "--hidden", "16", "--csv", str(out)],
                      capsys)
-    assert printed.count(": ok (") == 6  # loss, d_hidden, d_weight for token and sequence ratio
+    # loss, d_hidden, d_weight for token and sequence ratio, chunked path and single kernel (cce)
+    assert printed.count(": ok (") == 12 and sum(line.startswith("cce ") for line in printed.splitlines()) == 6
     rows = {r["case"]: r for r in _rows(out)}
     assert float(rows["bare matmuls (logits + dH + dW) fwd+bwd"]["vs_matmuls"]) == 1.0
-    assert "fastgrpo fused sequence-ratio fwd+bwd" in rows
+    assert "fastgrpo fused sequence-ratio fwd+bwd" in rows and "fastgrpo cce single kernel token-ratio fwd+bwd" in rows
 
 
 def test_fp16_oracle_check_smoke(capsys):
