@@ -57,6 +57,18 @@ def online_lse_update(x, m, s, t, HAS_ENT: tl.constexpr):
 
 
 @triton.jit
+def grad_block(x, cols, lse, g, h, ent, tgt, HAS_H: tl.constexpr):
+    """g·(δ_{j,y} − p_j) − h·p_j·(log p_j + H) on one [BN, BV] block of scaled logits x = z/τ
+    (g and h already carry the 1/τ)."""
+    logq = x - lse[:, None]
+    p = tl.exp(logq)
+    grad = -g[:, None] * p
+    if HAS_H:
+        grad -= h[:, None] * p * (logq + ent[:, None])
+    return tl.where(cols[None, :] == tgt[:, None], grad + g[:, None], grad)
+
+
+@triton.jit
 def row_tile(pid, n_rows, BLOCK_N: tl.constexpr):
     """Row indices of a tile, the in-range mask, and rows clamped to N−1 for loads (so padding
     rows of the last tile read real data and never produce NaNs)."""

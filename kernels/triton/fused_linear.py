@@ -7,7 +7,7 @@ Follows Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (A
 forward = one program per row tile looping over the vocabulary (tl.dot over hidden chunks, then
 the online log-sum-exp / entropy update of `_common.online_lse_update`, the target logit picked
 from its tile); backward = one program per (row tile, vocabulary tile): recompute the tile, make
-dZ = g·(δ_y − p)/τ − h·p·(log p + H)/τ (`grpo_loss._grad_block`), then dH[rows] += dZ·W[cols]
+dZ = g·(δ_y − p)/τ − h·p·(log p + H)/τ (`_common.grad_block`), then dH[rows] += dZ·W[cols]
 and dW[cols] += dZᵀ·H[rows] with fp32 atomics. Departures from CCE: no gradient filtering (CCE
 skips vocabulary tiles whose p is below bf16 resolution), no vocabulary sorting, and tiles whose
 rows all have g = h = 0 (prompt / masked tokens) return at once. Backend "cce" of
@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.triton._common import INTERPRET, online_lse_update, row_tile, split_inv_temp
-from fastgrpo.kernels.triton.grpo_loss import _grad_block
+from fastgrpo.kernels.triton._common import INTERPRET, grad_block, online_lse_update, row_tile, split_inv_temp
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UPCAST_HALF = tl.constexpr(bool(INTERPRET))
@@ -150,7 +149,7 @@ def _cce_bwd_kernel(
         tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
         x = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, stride_hn, stride_wv, n_hidden,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H) * inv_temp
-        dz = _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+        dz = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
         dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
         if HAS_DB:
             tl.atomic_add(db_ptr + cols_c, tl.sum(dz, 0), mask=col_ok)

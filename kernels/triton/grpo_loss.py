@@ -26,20 +26,8 @@ import triton.language as tl
 from fastgrpo.kernels.contract import LogprobsBackend, LossConfig, LossOutput, check_cu_seqlens, differentiable_logprobs
 from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 from fastgrpo.kernels.cpu_stream import loss_from_logprobs
-from fastgrpo.kernels.triton._common import grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
+from fastgrpo.kernels.triton._common import grad_block, grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
 from fastgrpo.kernels.triton._tune import TunedKernel
-
-
-@triton.jit
-def _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H: tl.constexpr):
-    """g·(δ_{j,y} − p_j) − h·p_j·(log p_j + H) on one [BN, BV] block of scaled logits x = z/τ
-    (g and h already carry the 1/τ)."""
-    logq = x - lse[:, None]
-    p = tl.exp(logq)
-    grad = -g[:, None] * p
-    if HAS_H:
-        grad -= h[:, None] * p * (logq + ent[:, None])
-    return tl.where(cols[None, :] == tgt[:, None], grad + g[:, None], grad)
 
 
 @triton.jit
@@ -87,13 +75,13 @@ def _grpo_loss_bwd_kernel(
         for v0 in range(0, n_full, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t) * scale
-            grad = _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+            grad = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=st_ok)
         if n_full < n_cols:
             cols = n_full + tl.arange(0, BLOCK_V)
             ok = st_ok & (cols < n_cols)[None, :]
             x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t) * scale
-            grad = _grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+            grad = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=ok)
     else:
         # Masked-out rows (a_t = 0, e.g. prompt tokens): the gradient is exactly zero.
