@@ -1,13 +1,13 @@
 """Learning on a real model: GRPO lifts SmolLM2-135M-Instruct's held-out accuracy on arithmetic
 word problems (examples/smollm2_arithmetic/), several seeds, reward and accuracy curves plotted.
 
-    python benchmarks/bench_real_learning.py --out runs/learning [--seeds 0 1 2] [--steps 45]
+    python benchmarks/bench_real_learning.py --out runs/learning [--seeds 0 1 2] [--steps 30]
         [--minutes 30] [--set optimizer.lr=1e-5 ...]
 
 Each seed is one `fastgrpo train --config examples/smollm2_arithmetic/config.yaml` in its own
 process (same data, the run's seed varied), capped at --minutes of wall time (a run past it is
 stopped with SIGTERM, which checkpoints, and is reported as cut). Held-out accuracy is greedy on
-the example's 60 held-out problems, at step 0 (the pretrained model), every 15 steps and at the
+the example's 60 held-out problems, at step 0 (the pretrained model), every 10 steps and at the
 end. Prints a table (accuracy before → after, the lift in points, minutes) and writes
 OUT/learning.json and OUT/learning.png (mean reward per step and held-out accuracy per seed).
 """
@@ -99,7 +99,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench_real_learning")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=45)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--minutes", type=float, default=30.0, help="wall-time cap per seed")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more config overrides")
     a = ap.parse_args(argv)

@@ -187,7 +187,7 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(model=path, tokenizer=path, dtype=_DTYPES[self.dtype], max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs, seed=seed, enforce_eager=eager,
                       logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
-                      use_tqdm_on_load=False)  # no weight-loading progress bar across the trainer's
+                      use_tqdm_on_load=False)  # its weight-loading bar would cut across the trainer's
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         self.sleep_mode = self.cuda and _claim_sleep_mode(self, self._sleep_request)
