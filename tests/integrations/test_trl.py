@@ -152,3 +152,34 @@ def test_eval_before_training_without_accumulation_attribute(setup, loss_type):
     assert trl_loss != 0.0 and abs(loss - trl_loss) <= 1e-6, (loss, trl_loss)
     ours_eval = {k for k in ours_t._metrics["eval"] if not k.startswith("fastgrpo/")}
     assert ours_eval == set(trl_t._metrics["eval"]) and not ours_t._metrics["train"]
+
+
+def test_fast_trainer_objective_path_with_accumulation_and_eval(tmp_path):
+    """The real GRPOTrainer around the TRL-objective path: evaluate() before training (no
+    current_gradient_accumulation_steps yet), then 2 steps with gradient accumulation 2, cispo with
+    the entropy bonus and entropy-quantile masking; every micro-batch on fastgrpo's head."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    model, tok = build_tiny_model("qwen2", seed=0)
+    prompts = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]})
+
+    def digits(completions, **kw):
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=False, max_completion_length=6, num_generations=4,
+                      per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
+                      max_steps=2, learning_rate=1e-2, loss_type="cispo", entropy_coef=0.01,
+                      top_entropy_quantile=0.5, beta=0.0, report_to="none", logging_steps=1, save_strategy="no",
+                      temperature=1.0, use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0)
+    trainer = FastGRPOTrainer(model=model, reward_funcs=digits, args=args, train_dataset=prompts,
+                              eval_dataset=prompts, processing_class=tok)
+    ev = trainer.evaluate()
+    assert "eval_loss" in ev and ev["eval_fastgrpo/fallback_frac"] == 0.0
+    trainer.train()
+    stats = trainer.fastgrpo_stats
+    assert trainer.state.global_step == 2 and not stats.fallback and stats.fused == 0
+    assert stats.objective["loss_type='cispo'"] == stats.computed >= 5  # 1 eval + 2 steps × 2 accumulated
+    row = [h for h in trainer.state.log_history if "fastgrpo/microbatches_fastgrpo" in h][-1]
+    assert row["fastgrpo/microbatches_fastgrpo"] == stats.computed and row["fastgrpo/microbatches_fallback"] == 0
+    assert row["fastgrpo/objective/loss_type_cispo"] == stats.computed
