@@ -30,6 +30,11 @@
 
 #include "native_math.h"
 
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,27 +93,131 @@ void gemm_block(const float* A, int64_t r, int64_t K, const float* WT, int64_t N
   }
 }
 
-// Weights past this many floats (1 MiB, an L2's worth) go to at::mm: the blocked loop streams
-// the whole weight once per 4 rows, which loses to MKL once the weight no longer stays in cache
-// (a [64, 151936] lm_head at 24 rows: 13.1 vs 8.6 ms a step).
+// Weights past this many floats (1 MiB, an L2's worth) are "streamed" (see streamed_layers in
+// decoders.py, which decides per model): the caller passes every matrix of such a model in
+// nn.Linear's own layout [N, K], q / k / v and gate / up as separate matrices (no concatenated
+// or transposed copy per rollout: on SmolLM2-135M those copies moved 820 MB, ~0.7 s a rollout),
+// and gemm_nk multiplies them into column ranges of the output. A streamed weight is read from
+// DRAM once a step, so the kernel reads each weight row once for all input rows: 4 weight rows ×
+// 4 input rows of dot products in 16 AVX-512 accumulators, 8 loads per 16 FMAs in the K loop, one
+// horizontal sum per output. MKL's sgemm, the previous path for these weights, ran at ~4 GB/s of
+// weights here (its AVX2 kernels on AMD, blocked for large M). Without AVX-512: at::mm.
 constexpr int64_t kCachedWeight = 1 << 18;
 
 constexpr int64_t kPerLayer = 12;  // weights a layer in lean_step's WT (see there)
+constexpr int64_t kStreamed = 3;   // and in WS, for a streamed layer (k, v, up)
 
 // kept out of line: a throwing check inside gemm() costs the blocked loop its vectorisation
 // (measured: 165 → 433 µs a decode step)
 __attribute__((noinline)) void check_gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias,
-                                          const at::Tensor& c) {
-  TORCH_CHECK(wt.size(0) == a.size(1) && c.size(0) == a.size(0) && c.size(1) == wt.size(1) &&
-                  (!bias.numel() || bias.numel() == wt.size(1)),
-              "lean_step: GEMM shapes [", a.size(0), ", ", a.size(1), "] x [", wt.size(0), ", ", wt.size(1),
-              "] disagree");
+                                          const at::Tensor& c, bool streamed, int64_t col0) {
+  const int64_t K = streamed ? wt.size(1) : wt.size(0), N = streamed ? wt.size(0) : wt.size(1);
+  TORCH_CHECK(wt.dim() == 2 && K == a.size(1) && c.size(0) == a.size(0) && col0 >= 0 && col0 + N <= c.size(1) &&
+                  (streamed || (col0 == 0 && c.size(1) == N)) && (!bias.numel() || bias.numel() >= N) &&
+                  a.is_contiguous() && c.is_contiguous(),
+              "lean_step: GEMM shapes [", a.size(0), ", ", a.size(1), "] x ", streamed ? "W [" : "W^T [", wt.size(0),
+              ", ", wt.size(1), "] into columns ", col0, "+ of [", c.size(0), ", ", c.size(1), "] disagree");
 }
 
-void gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, at::Tensor& c, bool accumulate) {
-  check_gemm(a, wt, bias, c);
-  const int64_t M = a.size(0), K = a.size(1), N = wt.size(1);
-  if (wt.numel() > kCachedWeight) {
+#if defined(__AVX512F__)
+// C[i, j] (= | +=) Σ_k A[i, k] · W[j, k] (+ bias[j]) for an MR × NR block
+// `pf`: the next block's weight rows, prefetched a cache line per row and k step while this
+// block computes, so the stream and the FMAs overlap (a SmolLM2 step's 120 GEMMs at 16 rows, one
+// thread, CPU time on the loaded 2-core machine: 111 → 86 ms; MKL sgemm on the same: 115-145 ms)
+template <int MR, int NR>
+inline void nk_block(const float* A, int64_t K, const float* W, float* C, int64_t ldc, const float* bias,
+                     bool accumulate, const float* pf) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 w[NR];
+    if (pf)
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_ps(W + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x = _mm512_loadu_ps(A + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_maskz_loadu_ps(m, W + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, A + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float s = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
+      C[i * ldc + j] = accumulate ? C[i * ldc + j] + s : s;
+    }
+}
+
+// the first pass over the block's rows prefetches the next block (`pf`, null at the last)
+template <int NR>
+inline void nk_rows(const float* A, int64_t M, int64_t K, const float* W, float* C, int64_t ldc, const float* bias,
+                    bool accumulate, const float* pf) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4, pf = nullptr) nk_block<4, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf);
+  switch (M - i) {
+    case 3: nk_block<3, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
+    case 2: nk_block<2, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
+    case 1: nk_block<1, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
+    default: break;
+  }
+}
+
+// C [M, N] (row stride ldc) (= | +=) A [M, K] · W [N, K]^T (+ bias): blocks of 4 weight rows over
+// all input rows (the block's rows stay in L1 while every input row meets them), the blocks
+// split over torch's threads
+void gemm_nk(const float* A, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* C,
+             int64_t ldc, bool accumulate) {
+  const int64_t blocks = (N + 3) / 4;
+  // chunks of >= 16 blocks (64 weight rows, 144 KiB at K = 576): a thread wake-up per chunk amortised
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = blk * 4, nr = N - n < 4 ? N - n : 4;
+      const float* w = W + n * K;
+      const float* bn = bias ? bias + n : nullptr;
+      const float* pf = n + 8 <= N ? w + 4 * K : nullptr;  // the next full block, if any
+      switch (nr) {
+        case 4: nk_rows<4>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
+        case 3: nk_rows<3>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
+        case 2: nk_rows<2>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
+        default: nk_rows<1>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
+      }
+    }
+  });
+}
+#endif
+
+// c[:, col0 : col0 + N] (= | +=) a · W^T (+ bias[:N]); `streamed`: wt is W [N, K] (see gemm_nk),
+// else the transposed W^T [K, N] of a cache-resident weight (then col0 = 0, N = c's width)
+void gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, at::Tensor& c, bool accumulate,
+          bool streamed = false, int64_t col0 = 0) {
+  check_gemm(a, wt, bias, c, streamed, col0);
+  const int64_t M = a.size(0), K = a.size(1);
+  if (streamed) {
+    const int64_t N = wt.size(0);
+#if defined(__AVX512F__)
+    gemm_nk(a.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, bias.numel() ? bias.data_ptr<float>() : nullptr,
+            c.data_ptr<float>() + col0, c.size(1), accumulate);
+#else
+    at::Tensor out = c.narrow(1, col0, N);
+    if (accumulate) {
+      out.addmm_(a, wt.t());
+    } else {
+      out.copy_(at::mm(a, wt.t()));
+    }
+    if (bias.numel()) out.add_(bias.narrow(0, 0, N));
+#endif
+    return;
+  }
+  if (wt.numel() > kCachedWeight) {  // a large transposed weight (a tiny model's big lm_head)
     if (accumulate) {
       c.addmm_(a, wt);
     } else {
@@ -117,6 +226,7 @@ void gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, at:
     if (bias.numel()) c.add_(bias);
     return;
   }
+  const int64_t N = wt.size(1);
   const float* A = a.data_ptr<float>();
   const float* WT = wt.data_ptr<float>();
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
@@ -126,10 +236,15 @@ void gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, at:
   for (; r < M; ++r) gemm_block<1>(A, r, K, WT, N, B, C, accumulate);
 }
 
-at::Tensor linear(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias) {
-  at::Tensor c = at::empty({a.size(0), wt.size(1)}, a.options());
-  gemm(a, wt, bias, c, false);
+at::Tensor linear(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, bool streamed = false) {
+  at::Tensor c = at::empty({a.size(0), streamed ? wt.size(0) : wt.size(1)}, a.options());
+  gemm(a, wt, bias, c, false, streamed);
   return c;
+}
+
+// the bias entries [off, off + n) of a layer's concatenated bias (empty: none)
+inline at::Tensor bias_part(const at::Tensor& bias, int64_t off, int64_t n) {
+  return bias.numel() ? bias.narrow(0, off, n) : bias;
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -178,16 +293,22 @@ void check_weights(const std::vector<at::Tensor>& W) {
 // ids [b] / pos [b] int64; slot: the cache position written (width + step); returns logits [b, V].
 // WT: 12 tensors per layer (input norm, post norm, qkv weight^T, qkv bias, o weight^T, o bias,
 // gate-up weight^T, gate-up bias, down weight^T, down bias, q_norm, k_norm), an empty tensor for a
-// missing bias and for the head norms of a model without them (Qwen2 / Llama);
-// KT[i]: [b, Hkv, D, S] (transposed keys), V[i]: [b, Hkv, S, D]; lm_wt: [H, vocab].
+// missing bias and for the head norms of a model without them (Qwen2 / Llama). WS: empty, or
+// for a model whose layers are streamed (see gemm_nk) 3 per layer (k, v, up weights): then WT's
+// matrices are nn.Linear's own [N, K] ones, slot 2 = q, 6 = gate (q/k/v and gate/up apart, the
+// biases still concatenated). KT[i]: [b, Hkv, D, S] (transposed keys), V[i]: [b, Hkv, S, D];
+// lm_wt: [H, vocab], or the lm_head weight [vocab, H] when lm_streamed.
 at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot, const at::Tensor& embed,
                      const at::Tensor& cos_t, const at::Tensor& sin_t, const at::Tensor& mask_bias,
-                     const std::vector<at::Tensor>& WT, const std::vector<at::Tensor>& KT,
+                     const std::vector<at::Tensor>& WT, const std::vector<at::Tensor>& WS,
+                     const std::vector<at::Tensor>& KT,
                      const std::vector<at::Tensor>& V, const at::Tensor& norm_w, const at::Tensor& lm_wt,
                      const at::Tensor& lm_b, int64_t nh, int64_t nkv, int64_t D, double scaling, double eps,
-                     bool want_logits) {
-  TORCH_CHECK(WT.size() == kPerLayer * KT.size() && KT.size() == V.size(),
-              "lean_step: expected ", kPerLayer, " weights and one K / V cache per layer");
+                     bool want_logits, bool lm_streamed) {
+  TORCH_CHECK(WT.size() == kPerLayer * KT.size() && KT.size() == V.size() &&
+                  (WS.empty() || WS.size() == kStreamed * KT.size()),
+              "lean_step: expected ", kPerLayer, " weights (and none or ", kStreamed,
+              " streamed ones) and one K / V cache per layer");
   TORCH_CHECK(embed.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
               "lean_step: float32 weights and int64 ids / positions expected");
   const int64_t b = ids.size(0), S = mask_bias.size(1), g = nh / nkv, half = D / 2;
@@ -205,16 +326,18 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
                 "lean_step: layer ", i, ": caches must be contiguous float32 K^T [b, Hkv, D, S] and V [b, Hkv, S, D]");
   }
   check_weights(WT);
+  check_weights(WS);
   check_weights({norm_w, lm_wt, lm_b});
   {
     const int64_t H = embed.size(1);
     TORCH_CHECK(norm_w.numel() == H, "lean_step: final norm weight of ", norm_w.numel(), " for hidden ", H);
     for (size_t i = 0; i < KT.size(); ++i) {
       const at::Tensor* w = &WT[i * kPerLayer];
-      TORCH_CHECK(w[0].numel() == H && w[1].numel() == H && w[2].dim() == 2 && w[2].size(0) == H &&
-                      w[2].size(1) == nq * D,
+      const bool nk = !WS.empty();  // streamed: q, k, v apart, [N, K] each
+      TORCH_CHECK(w[0].numel() == H && w[1].numel() == H && w[2].dim() == 2 && w[2].size(nk ? 1 : 0) == H &&
+                      w[2].size(nk ? 0 : 1) == (nk ? nh : nq) * D,
                   "lean_step: layer ", i, ": norm weights [", H, "] and a q/k/v weight^T [", H, ", ", nq * D,
-                  "] expected");
+                  "] (or a q weight [", nh * D, ", ", H, "] in a streamed layer) expected");
       // here, not in the loops: the head norms are read D floats at a time without a check
       TORCH_CHECK((w[10].numel() == D && w[11].numel() == D) || (!w[10].numel() && !w[11].numel()),
                   "lean_step: layer ", i, ": q_norm / k_norm weights of ", w[10].numel(), " / ", w[11].numel(),
@@ -240,7 +363,18 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
   const float eps_f = static_cast<float>(eps);
   for (size_t i = 0; i < KT.size(); ++i) {
     const at::Tensor* w = &WT[i * kPerLayer];
-    const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[2], w[3]);  // [b, nq * D]
+    const bool nk = !WS.empty();  // a streamed layer (see gemm_nk)
+    const at::Tensor* ws = nk ? &WS[i * kStreamed] : nullptr;  // k, v, up
+    at::Tensor qkv;                      // [b, nq * D]
+    if (nk) {
+      const at::Tensor xn = rms_norm(x, w[0], eps);
+      qkv = at::empty({b, nq * D}, x.options());
+      gemm(xn, w[2], bias_part(w[3], 0, nh * D), qkv, false, true, 0);
+      gemm(xn, ws[0], bias_part(w[3], nh * D, nkv * D), qkv, false, true, nh * D);
+      gemm(xn, ws[1], bias_part(w[3], (nh + nkv) * D, nkv * D), qkv, false, true, (nh + nkv) * D);
+    } else {
+      qkv = linear(rms_norm(x, w[0], eps), w[2], w[3]);
+    }
     float* qkv_p = qkv.data_ptr<float>();
     const float* qn_p = w[10].numel() ? w[10].data_ptr<float>() : nullptr;  // Qwen3's head norms
     const float* kn_p = w[11].numel() ? w[11].data_ptr<float>() : nullptr;
@@ -334,8 +468,17 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
         }
       }
     }
-    gemm(o, w[4], w[5], x, true);                              // x += o W_o^T (+ b_o)
-    at::Tensor gu = linear(rms_norm(x, w[1], eps), w[6], w[7]);  // [b, 2I]: gate ‖ up
+    gemm(o, w[4], w[5], x, true, nk);                          // x += o W_o^T (+ b_o)
+    at::Tensor gu;                                             // [b, 2I]: gate ‖ up
+    if (nk) {
+      const at::Tensor xn = rms_norm(x, w[1], eps);
+      const int64_t I = w[6].size(0);
+      gu = at::empty({b, 2 * I}, x.options());
+      gemm(xn, w[6], bias_part(w[7], 0, I), gu, false, true, 0);
+      gemm(xn, ws[2], bias_part(w[7], I, I), gu, false, true, I);
+    } else {
+      gu = linear(rms_norm(x, w[1], eps), w[6], w[7]);
+    }
     const int64_t I = gu.size(1) / 2;
     if (act.size(1) != I) act = at::empty({b, I}, x.options());
     {
@@ -349,11 +492,11 @@ at::Tensor lean_step(const at::Tensor& ids, const at::Tensor& pos, int64_t slot,
         for (int64_t j = 0; j < I; ++j) ar[j] = gr[j] / (1.f + exp_poly(-gr[j])) * gr[I + j];
       }
     }
-    gemm(act, w[8], w[9], x, true);                            // x += act W_down^T (+ b_down)
+    gemm(act, w[8], w[9], x, true, nk);                        // x += act W_down^T (+ b_down)
   }
   // a prefill position before the prompt's last needs only its K / V (written above), not logits
   if (!want_logits) return at::Tensor();
-  return linear(rms_norm(x, norm_w, eps), lm_wt, lm_b);
+  return linear(rms_norm(x, norm_w, eps), lm_wt, lm_b, lm_streamed);
 }
 
 // sampler.cpp
@@ -363,6 +506,13 @@ int64_t sample_step(const at::Tensor& logits, double temperature, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lean_step", &lean_step, "one float32 CPU decode step of a Qwen2 / Qwen3 / Llama decoder (see decode_step.cpp)");
+  // weights past this many floats go in nn.Linear's [N, K] layout, the rest transposed ([K, N])
+  m.attr("streamed_weight") = kCachedWeight;
+#if defined(__AVX512F__)
+  m.attr("streamed_kernel") = true;  // gemm_nk; else streamed weights go to at::mm
+#else
+  m.attr("streamed_kernel") = false;
+#endif
   m.def("sample_step", &sample_step,
         "one decode step's sampling, log-probs, stop check and bookkeeping for a batch (see decode_step.cpp)");
 }

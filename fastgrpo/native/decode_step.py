@@ -31,12 +31,14 @@ def enabled() -> bool:
 
 def build_dir() -> str:
     """Where this machine's build lives (see fastgrpo.native.jit)."""
-    return _jit.build_dir(STEM, sources())
+    return _jit.build_dir(STEM, sources(), openmp=True)
 
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    return _jit.build(STEM, sources(), "the native decode step", "the Python step", LOCK_TIMEOUT_S)
+    # openmp: the streamed GEMMs (weights past 1 MiB, decode_step.cpp's gemm_nk) split their
+    # weight rows over torch's threads with at::parallel_for (serial without it)
+    return _jit.build(STEM, sources(), "the native decode step", "the Python step", LOCK_TIMEOUT_S, openmp=True)
 
 
 def decode_step_module() -> Optional[object]:

@@ -98,6 +98,62 @@ _LEAN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
+# Models with more weights than this (floats: 64 MiB of float32, beyond any L3 here) prefill with
+# one batched forward instead of the native step a position at a time (see native_prefill).
+_PREFILL_STEP_WEIGHTS = 1 << 24
+
+
+def _weights(model) -> int:
+    """Parameter count of `model` (cached on the module: a rollout asks once per call)."""
+    n = getattr(model, "_fastgrpo_n_weights", None)
+    if n is None:
+        n = sum(p.numel() for p in model.parameters())
+        try:
+            model._fastgrpo_n_weights = n
+        except (AttributeError, TypeError):
+            pass
+    return n
+
+
+def _streamed(w: torch.Tensor, big: int) -> bool:
+    """A matrix the native step streams (csrc/jit/decode_step.cpp's gemm_nk: nn.Linear's [out, in]
+    layout, dot products over `in`): more than `big` floats (past an L2, read from DRAM each
+    step) and rows of >= 256 inputs (shorter rows leave the kernel's horizontal sums unamortised:
+    a tiny model's wide lm_head stays transposed, on at::mm)."""
+    return w.numel() > big and w.shape[1] >= 256
+
+
+def native_weights(base, big: int):
+    """(WT, WS): the native step's 12 tensors a layer and, for streamed layers, 3 more
+    (csrc/jit/decode_step.cpp, lean_step's WT and WS) from the HF decoder `base`. A layer whose
+    gate / up matrix is streamed (`_streamed`) passes every matrix as the module holds it (no
+    copy), q / k / v and gate / up apart (k, v, up in WS); otherwise they are concatenated and
+    transposed once per rollout ([in, out], the cache-resident kernel's layout) and WS is empty."""
+    flat, extra = [], []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        empty = a.q_proj.weight.new_empty(0)
+        norms = [layer.input_layernorm.weight.contiguous(), layer.post_attention_layernorm.weight.contiguous()]
+        qk = ([a.q_norm.weight.contiguous(), a.k_norm.weight.contiguous()] if hasattr(a, "q_norm") else [empty, empty])
+        b_qkv, b_gu = _cat_bias(a.q_proj, a.k_proj, a.v_proj), _cat_bias(m.gate_proj, m.up_proj)
+        biases = [empty if t is None else t.contiguous() for t in (b_qkv, a.o_proj.bias, b_gu, m.down_proj.bias)]
+        if _streamed(m.gate_proj.weight, big):
+            w = [t.weight.contiguous() for t in (a.q_proj, a.o_proj, m.gate_proj, m.down_proj, a.k_proj, a.v_proj,
+                                                  m.up_proj)]
+            extra += w[4:]
+        else:
+            w = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous(),
+                 a.o_proj.weight.t().contiguous(),
+                 torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
+                 m.down_proj.weight.t().contiguous()]
+        flat += [norms[0], norms[1], w[0], biases[0], w[1], biases[1], w[2], biases[2], w[3], biases[3],
+                 qk[0], qk[1]]
+    if extra and len(extra) != 3 * len(base.layers):
+        raise ValueError("native_weights: every layer of a model streams its matrices or none does "
+                         f"(got {len(extra) // 3} of {len(base.layers)} layers)")
+    return flat, extra
+
+
 class LeanStepper:
     """Decode steps of a Qwen2 / Qwen3 / Llama decoder written as a flat sequence of torch ops over
     the HF module's own weights, with a KV cache pre-allocated to prompt width + budget.
@@ -140,13 +196,19 @@ class LeanStepper:
     @staticmethod
     def native_module(model, device) -> Optional[object]:
         """csrc/jit/decode_step.cpp's module where the native step applies to `model` (float32 on CPU, an
-        even head dim, one intra-op thread) and builds, else None."""
+        even head dim) and builds, else None. On one intra-op thread for any model; on more only
+        for a streamed model (its GEMMs split their weight rows over the threads, gemm_nk): the
+        cache-resident kernel is single-threaded, and MKL's GEMMs are not."""
         if (model.model.embed_tokens.weight.dtype != torch.float32 or torch.device(device).type != "cpu"
-                or model.model.layers[0].self_attn.head_dim % 2 or torch.get_num_threads() != 1):
+                or model.model.layers[0].self_attn.head_dim % 2):
             return None
         from fastgrpo.native.decode_step import decode_step_module
 
-        return decode_step_module()
+        mod = decode_step_module()
+        if mod is None or torch.get_num_threads() == 1:
+            return mod
+        streamed = mod.streamed_kernel and _streamed(model.model.layers[0].mlp.gate_proj.weight, mod.streamed_weight)
+        return mod if streamed else None
 
     def __init__(self, model, cache, mask: torch.Tensor, max_new_tokens: int, native: bool = True):
         cfg, base = model.config, model.model
@@ -161,8 +223,16 @@ class LeanStepper:
         self.embed = base.embed_tokens.weight
         self.norm_w = base.norm.weight
         self.lm_head = model.lm_head
+        B, width = mask.shape
+        size = width + max_new_tokens
+        dtype = self.embed.dtype
+        # the native step (csrc/jit/decode_step.cpp): float32 on CPU, where it builds. It keeps the
+        # K cache transposed ([B, Hkv, D, S]) and takes its weights from `native_weights` (no
+        # concatenated copies); the Python step below concatenates q/k/v and gate/up once per
+        # rollout call (so the shared trainer module's latest weights are used)
+        self.native = self.native_module(model, mask.device) if native else None
         self.layers = []
-        for layer in base.layers:
+        for layer in base.layers if self.native is None else ():
             a, m = layer.self_attn, layer.mlp
             # Qwen3's per-head norm weights as one [nh + nkv, D] table over the q and k heads of a
             # step's qkv (q_norm's row for each q head, k_norm's for each k head); None elsewhere
@@ -176,30 +246,23 @@ class LeanStepper:
                 torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
                 m.down_proj.weight, m.down_proj.bias,
                 *((a.q_norm.weight, a.k_norm.weight) if qk_w is not None else (None, None)), qk_w))
-        B, width = mask.shape
-        size = width + max_new_tokens
-        dtype = self.embed.dtype
-        # the native step (csrc/jit/decode_step.cpp): float32 on CPU, where it builds, on one thread (the
-        # engine's choice for small steps; it is single-threaded, MKL's GEMMs are not); it keeps
-        # the K cache transposed ([B, Hkv, D, S]) and the weight matrices transposed ([in, out])
-        self.native = self.native_module(model, mask.device) if native else None
         shape = (B, self.n_kv, size, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in self.layers]
+        self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         if self.native is not None:  # K stored transposed: a [B, Hkv, D, S] buffer, seen as [B, Hkv, S, D]
             self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
-        for i in range(len(self.layers) if cache is not None else 0):  # None: native_prefill fills them
+        for i in range(len(self.k) if cache is not None else 0):  # None: native_prefill fills them
             self.k[i][:, :, :width] = cache.layers[i].keys
             self.v[i][:, :, :width] = cache.layers[i].values
         if self.native is not None:
             self.k = [k.transpose(2, 3) for k in self.k]  # the contiguous [B, Hkv, D, S] buffers
-            empty = torch.empty(0, dtype=dtype)
-            # 12 a layer (csrc/jit/decode_step.cpp): the 10 matrices / vectors, then q_norm, k_norm (empty if none)
-            self._flat = [empty if t is None else (t.t().contiguous() if j in (2, 4, 6, 8) else t.contiguous())
-                          for layer in self.layers for j, t in enumerate(layer[:12])]
-            self._norm_w, self._lm_wt = self.norm_w.contiguous(), self.lm_head.weight.t().contiguous()
-            self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else empty
-            self.layers = []  # the Python step's concatenated weights: not needed, not kept
+            big = self.native.streamed_weight
+            self._flat, self._streamed = native_weights(base, big)
+            lm_w = self.lm_head.weight
+            self._norm_w = self.norm_w.contiguous()
+            self._lm_streamed = _streamed(lm_w, big)
+            self._lm_wt = lm_w.contiguous() if self._lm_streamed else lm_w.t().contiguous()
+            self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else lm_w.new_empty(0)
         # additive attention bias over the static cache: -inf on left padding, 0 elsewhere
         self.bias = torch.zeros((B, size), dtype=dtype, device=mask.device)
         self.bias[:, :width].masked_fill_(mask == 0, float("-inf"))
@@ -226,8 +289,13 @@ class LeanStepper:
         rollout; `width` native steps on a handful of rows cost ~0.3 ms and write the static
         cache in place. Positions and masking are the HF prefill's (position = index among the
         row's real tokens; a left-pad query sees no key and attends to nothing, see csrc/jit/decode_step.cpp),
-        so the cache and logits agree with it up to float32 rounding (tests compare them)."""
-        if cls.native_module(model, mask.device) is None:
+        so the cache and logits agree with it up to float32 rounding (tests compare them).
+
+        Only for models up to `_PREFILL_STEP_WEIGHTS`: a position at a time reads every weight once
+        per position, which pays while the weights stay in cache; past that (SmolLM2-135M: 540 MB
+        of float32 weights) one batched HF forward over all positions is a GEMM at full speed
+        (4 prompts × 49 positions on one thread: ~0.5 s against 49 weight streams, ~4.6 s)."""
+        if cls.native_module(model, mask.device) is None or _weights(model) > _PREFILL_STEP_WEIGHTS:
             return None
         stepper = cls(model, None, mask, max_new_tokens)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -263,9 +331,10 @@ class LeanStepper:
 
     def _native_step(self, ids: torch.Tensor, pos: torch.Tensor, s: int, want_logits: bool = True) -> torch.Tensor:
         return self.native.lean_step(ids.contiguous(), pos.contiguous(), s, self.embed, self.cos_t, self.sin_t,
-                                     self.bias, self._flat, self.k, self.v, self._norm_w, self._lm_wt, self._lm_b,
+                                     self.bias, self._flat, self._streamed, self.k, self.v, self._norm_w, self._lm_wt,
+                                     self._lm_b,
                                      self.n_heads, self.n_kv, self.head_dim, float(self.scaling), float(self.eps),
-                                     want_logits)
+                                     want_logits, self._lm_streamed)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         """Logits [b, V] (float32) after feeding token `ids` [b] at positions `pos` [b] into cache
