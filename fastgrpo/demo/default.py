@@ -34,7 +34,7 @@ seed: 0
 sft_first: true           # the tiny model starts from random weights: SFT teaches it the format first
 threads: 1                # tiny matmuls gain nothing from 2 threads, and lose 20× when the 2 cores are busy
 model: {path: tiny, arch: qwen2, hidden_size: 64, num_hidden_layers: 2, intermediate_size: 128, num_attention_heads: 2}
-data: {task: arithmetic, max_operand: 50, num_heldout: 200}
+data: {task: auto, max_operand: 50, num_heldout: 200}   # auto: the built-in task, or a --set data.path of yours
 sft: {steps: 500, batch_size: 64, lr: 3.0e-3, noise: 0.6}   # 60% of carry traces drop the carry: ~half the held-out sums right
 rollout: {engine: auto, group_size: 8, prompts_per_step: 32, temperature: 1.0, max_new_tokens: 24}
 rewards: {functions: [accuracy, format], weights: [1.0, 0.1]}

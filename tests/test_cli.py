@@ -1,0 +1,55 @@
+"""The command line on bad input: every expected failure is one line on stderr naming the
+file / line / field, exit code 2, no traceback (`--debug` adds it) and no run folder; the
+settings source is chosen by model.path (the demo only for the tiny model)."""
+import argparse
+
+import pytest
+
+from fastgrpo import cli
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("setup, argv, expect", [
+    (lambda d: (d / "bad.yaml").write_text("steps: [1\n"), ["--config", "{d}/bad.yaml"], r"bad.yaml:2:1: invalid YAML"),
+    (lambda d: None, ["--config", "{d}/missing.yaml"], r"missing.yaml: No such file or directory"),
+    (lambda d: (d / "list.yaml").write_text("- 1\n"), ["--config", "{d}/list.yaml"], r"expected a YAML mapping"),
+    (lambda d: None, ["--set", "rewards.functions=[nonexistent]"], r"rewards.functions\[0\]='nonexistent'"),
+    (lambda d: None, ["--set", "optimizer.lr=fast"], r"optimizer.lr='fast': expected a finite number"),
+    (lambda d: None, ["--set", "model.dtype=float16"], r"model.dtype='float16'"),
+    (lambda d: (d / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n'),
+     ["--set", "data.path={d}/latin1.jsonl"], r"latin1.jsonl.*(UTF-8|utf-8)"),
+    (lambda d: (d / "ids.jsonl").write_text('{"prompt": "1+1=", "answer": "2", "id": "abc"}\n'
+                                            '{"prompt": "1+2", "answer": "x+"}\n'),
+     ["--set", "data.path={d}/ids.jsonl"], r"ids.jsonl"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, argv, expect):
+    import re
+
+    setup(tmp_path)
+    out = tmp_path / "run"
+    argv = [a.format(d=tmp_path) for a in argv]
+    rc, err = _run(capsys, "train", "--out", str(out), *argv)
+    assert rc == 2, err
+    lines = [x for x in err.splitlines() if x.startswith("fastgrpo:")]
+    assert len(lines) == 1 and re.search(expect, lines[0]), err
+    assert "Traceback" not in err
+    assert not out.exists(), "a run refused at load must leave no run folder"
+
+
+def test_debug_adds_the_traceback(tmp_path, capsys):
+    rc, err = _run(capsys, "train", "--debug", "--out", str(tmp_path / "r"), "--config", str(tmp_path / "nope.yaml"))
+    assert rc == 2 and "Traceback" in err and "nope.yaml" in err
+
+
+def test_settings_source_follows_model_path():
+    ns = lambda *o: argparse.Namespace(config=None, overrides=list(o))  # noqa: E731
+    assert cli.uses_demo(ns())
+    assert cli.uses_demo(ns("steps=3", "model.path=tiny"))
+    assert not cli.uses_demo(ns("model.path=smollm2-135m"))
+    assert not cli.uses_demo(ns("model={path: /models/x}"))
+    assert not cli.uses_demo(argparse.Namespace(config="run.yaml", overrides=[]))
