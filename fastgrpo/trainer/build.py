@@ -177,7 +177,7 @@ def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer, prompt_len=None)
 
     kind, reason = choose_engine(rcfg.engine, model)
     if rcfg.engine == "auto" and reason is not None and vllm_available():
-        print(f"[fastgrpo] rollout.engine=auto: built-in engine, since vLLM cannot serve this model: {reason}")
+        print(f"[fastgrpo] rollout.engine=auto: the built-in engine ({reason})")
     if kind == "torch":
         return make_engine("torch", model, tokenizer, max_batch_size=256)
     # max_num_seqs: one rollout batch (G·prompts sequences) in one scheduler pass
