@@ -65,10 +65,16 @@ def _cfgs(rows) -> Tuple[KernelConfig, ...]:
 # warps per SM) and spilled 624 B in fp32 (benchmarks/compile_grid.py); on 8 warps they take 128.
 SM90 = _cfgs(((1, 4096, 8), (1, 8192, 16), (2, 4096, 8), (4, 2048, 8), (4, 4096, 16),
               (8, 1024, 8), (8, 2048, 16), (16, 512, 8), (32, 256, 8), (64, 128, 8)))
-# Other GPUs (sm_80 and older): smaller tiles; 64×64 on 8 warps (on 4 the backward took 168
-# registers: 12 warps per SM).
-FALLBACK = _cfgs(((1, 4096, 8), (2, 2048, 8), (4, 1024, 4), (16, 256, 4), (64, 64, 8)))
+# Other GPUs (sm_80 and older): smaller tiles, all on 8 warps (on 4 the backward's 4×1024,
+# 16×256 and 64×64 tiles took 159–168 registers on sm_80: 12 warps per SM).
+FALLBACK = _cfgs(((1, 4096, 8), (2, 2048, 8), (4, 1024, 8), (16, 256, 8), (64, 64, 8)))
 UNALIGNED_ELEMS_PER_THREAD = 16
+# ... and at most 2 rows: unaligned multi-row tiles compute a 64-bit address per element; in
+# fp32 the 8–64-row ones spilled 48–640 B on sm_90, on sm_80 the 64×64 one took 255 registers.
+UNALIGNED_MAX_ROWS = 2
+# (elem bytes, config) pairs that still spill after the warp scaling (compile grid, sm_90):
+# fp32 32×256 on 16 warps is held to 64 registers and spills 8 B in the forward.
+_SPILLS = {(4, KernelConfig(32, 256, 16))}
 # Logits bytes per thread per block: 64 B (32 bf16) took ≤ 128 registers in the backward on
 # sm_90; 32 fp32 per thread (128 B) took 229 (8 warps per SM). Wider dtypes get more warps.
 MAX_BYTES_PER_THREAD = 64
@@ -90,7 +96,8 @@ def configs_for(configs: Sequence[KernelConfig], elem_bytes: int) -> Tuple[Kerne
         while c.block_n * c.block_v * elem_bytes > MAX_BYTES_PER_THREAD * 32 * w and w < 16:
             w *= 2
         out.append(dataclasses.replace(c, num_warps=w))
-    fit = [c for c in out if c.block_n * c.block_v * elem_bytes <= MAX_BYTES_PER_THREAD * 32 * c.num_warps]
+    fit = [c for c in out if c.block_n * c.block_v * elem_bytes <= MAX_BYTES_PER_THREAD * 32 * c.num_warps
+           and (elem_bytes, c) not in _SPILLS]
     return tuple(dict.fromkeys(fit or out))
 
 
@@ -105,7 +112,8 @@ def candidates(configs: Sequence[KernelConfig], n_cols: int, layout: str) -> Lis
     padding), and on unaligned rows only tiles with few elements per thread. Never empty."""
     pool = list(configs)
     if layout == "u":
-        pool = [c for c in pool if c.elems_per_thread() <= UNALIGNED_ELEMS_PER_THREAD] or pool
+        pool = [c for c in pool if c.elems_per_thread() <= UNALIGNED_ELEMS_PER_THREAD
+                and c.block_n <= UNALIGNED_MAX_ROWS] or pool
     cap = max(triton.next_power_of_2(max(n_cols, 1)), 128)
     kept = [c for c in pool if c.block_v <= cap]
     return kept or [min(pool, key=lambda c: (c.block_v, c.elems_per_thread()))]

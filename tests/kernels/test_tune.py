@@ -153,12 +153,15 @@ def test_wide_dtypes_get_more_warps_per_tile():
     assert _tune.configs_for(_tune.SM90, 2) == _tune.SM90
     assert all(c.block_n * c.block_v * 4 <= _tune.MAX_BYTES_PER_THREAD * 32 * c.num_warps for c in fp32)
     assert _tune.KernelConfig(64, 128, 16) in fp32 and _tune.KernelConfig(1, 4096, 8) in fp32
+    assert _tune.KernelConfig(32, 256, 16) not in fp32  # spilled 8 B on sm_90
 
 
 def test_unaligned_rows_only_get_configs_that_do_not_spill():
     for cfgs in (_tune.SM90, _tune.FALLBACK):
         kept = _tune.candidates(cfgs, 50_257, "u")
-        assert kept and all(c.elems_per_thread() <= _tune.UNALIGNED_ELEMS_PER_THREAD for c in kept)
+        assert kept and all(c.elems_per_thread() <= _tune.UNALIGNED_ELEMS_PER_THREAD and c.block_n <= 2 for c in kept)
+        kept32 = _tune.candidates(_tune.configs_for(cfgs, 4), 50_257, "u")
+        assert kept32 and all(c.block_n <= 2 for c in kept32)
         assert len(_tune.candidates(cfgs, 50_256, "a")) > len(kept)
         small = _tune.candidates(cfgs, 1000, "u")  # even when no narrow config fits V
         assert all(c.elems_per_thread() <= _tune.UNALIGNED_ELEMS_PER_THREAD for c in small)
