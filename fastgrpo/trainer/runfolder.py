@@ -40,6 +40,12 @@ class TrainingInterrupted(Exception):
 
 @contextlib.contextmanager
 def run_tmpdir(out_dir: str) -> Iterator[str]:
+    import multiprocessing.util
+
+    # multiprocessing caches its own temp dir (the fork server's socket lives there) on first
+    # use and removes it at exit: fix it outside the run folder now, so that removing <run>/tmp
+    # never pulls it from under a fork server that outlives this run
+    multiprocessing.util.get_temp_dir()
     path = os.path.join(out_dir, "tmp")
     shutil.rmtree(path, ignore_errors=True)  # left by a run that was killed
     os.makedirs(path, exist_ok=True)

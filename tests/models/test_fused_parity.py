@@ -149,9 +149,9 @@ def _train(trainer, batches):
     steps = []
     step = trainer.backend.step
 
-    def recording_step():
+    def recording_step(accept=None):
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        norm = step()
+        norm = step(accept=accept)
         steps.append((trainer._update_state.loss, grads, _snapshot(model), norm))
         return norm
 

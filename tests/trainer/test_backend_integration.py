@@ -51,7 +51,7 @@ def test_step_that_refuses_an_overflowing_norm_counts_as_skipped(cfg_factory):
     t = Trainer(cfg_factory("steps=2"), task=NoisyTask(), log=lambda m: None)
     real = t.backend.step
 
-    def refusing_step():
+    def refusing_step(accept=None):
         t.backend.discard_gradients()
         t.backend.last_step_skipped = True
         return float("inf")

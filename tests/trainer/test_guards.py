@@ -79,6 +79,9 @@ def test_run_tmpdir_holds_temp_files_and_cleans_leftovers(tmp_path):
         assert not os.path.exists(out / "tmp" / "fastgrpo_vllm_left")
         d = tempfile.mkdtemp(prefix="fastgrpo_vllm_")
         assert d.startswith(tmp) and os.environ["TMPDIR"] == tmp
+        import multiprocessing.util
+
+        assert not multiprocessing.util.get_temp_dir().startswith(tmp)  # the fork server's dir stays outside
     assert not os.path.exists(out / "tmp") and tempfile.gettempdir() != tmp
 
 

@@ -80,7 +80,8 @@ def test_grpo_step_without_sft_and_its_log(smollm2, tmp_path):
 
 
 def test_sft_refused_at_load_without_completions(smollm2, tmp_path):
-    train, test = _data(tmp_path)
+    train = tmp_path / "nocomp.jsonl"
+    train.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}) + "\n")
     cfg = load_config(None, [f"model.path={smollm2}", f"data.path={train}", "data.columns={prompt: question}",
                              "sft_first=true", f"logging.out_dir={tmp_path / 'x'}"])
     with pytest.raises(ValueError, match="SFT needs a reference completion"):
