@@ -57,8 +57,8 @@ def _below_cpu_crossover(model) -> Optional[str]:
     n = sum(t.numel() for t in model.parameters())
     if n >= CPU_VLLM_MIN_PARAMS:
         return None
-    return (f"on CPU the built-in engine is the faster one below {CPU_VLLM_MIN_PARAMS / 1e6:.0f}M parameters "
-            f"(this model: {n / 1e6:.1f}M; fastgrpo.rollout's measured crossover)")
+    return (f"faster than vLLM-cpu below {CPU_VLLM_MIN_PARAMS / 1e6:.0f}M parameters, measured; "
+            f"this model has {n / 1e6:.1f}M")
 
 
 def make_engine(kind: str = "auto", model=None, tokenizer=None, **kwargs) -> RolloutEngine:
