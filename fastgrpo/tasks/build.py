@@ -28,7 +28,7 @@ from fastgrpo.tasks.base import Problem, Task
 from fastgrpo.tasks.code import CodeTask, tests_text
 from fastgrpo.tasks.formatting import PromptFormatter, completion_text, prompt_lengths, row_turns
 from fastgrpo.tasks.loaders import Rows, load_rows
-from fastgrpo.tasks.math import MathTask, check_references, make_extractor, reference_answer
+from fastgrpo.tasks.math import JsonlTask, MathTask, check_references, make_extractor, reference_answer
 
 logger = logging.getLogger("fastgrpo.tasks")
 
@@ -220,9 +220,7 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
     if kind == "code":
         task: Task = CodeTask(train, heldout, few_shot=shots, source=dcfg.path)
     else:
-        from fastgrpo.tasks.jsonl import JsonlTask  # here: jsonl.py builds through this module
-
-        cls = JsonlTask.of if kind == "jsonl" else MathTask
+        cls = JsonlTask if kind == "jsonl" else MathTask
         task = cls(train, heldout, dcfg.answer_format, dcfg.answer_tag, few_shot=shots, source=dcfg.path)
     task.chat_template_applied = fmt.use_template  # whether prompts went through the tokenizer's chat template
     return task

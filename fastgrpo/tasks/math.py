@@ -169,3 +169,15 @@ class MathTask(Task):
             return math_reward(completions, answers, pool=pool, extract=extract)
 
         return {"accuracy": accuracy}
+
+
+class JsonlTask(MathTask):
+    """`data.task=jsonl`, the older name of a math task: the same rows and accuracy, plus the
+    strict R1 `format` reward of `fastgrpo.rewards.format`, which older configs list."""
+
+    name = "jsonl"
+
+    def reward_fns(self, pool=None) -> Dict[str, Callable]:
+        from fastgrpo.rewards.format import format_reward
+
+        return {**super().reward_fns(pool), "format": lambda c, a: format_reward(c)}

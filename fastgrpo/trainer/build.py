@@ -109,12 +109,8 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
-    try:
-        from fastgrpo.tasks.build import build_task as build_data_task
-    except ImportError:  # pragma: no cover - the loaders module is part of the package
-        from fastgrpo.tasks.jsonl import JsonlTask
+    from fastgrpo.tasks.build import build_task as build_data_task
 
-        return JsonlTask(dcfg.path, dcfg.eval_path)
     return build_data_task(dcfg, tokenizer=tokenizer, context_len=context_len, max_new_tokens=max_new_tokens)
 
 

