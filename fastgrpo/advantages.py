@@ -7,6 +7,8 @@ Estimators (rewards of one prompt's G completions form a group, consecutive in `
   rloo    RLOO (Ahmadian et al. 2024): A_i = r_i − mean of the other G−1 rewards of the group
   kimi    Kimi k1.5: A_i = r_i − mean, no σ; `baseline="batch"` takes the mean over the whole batch
 The baseline of grpo / dr_grpo / kimi is the group mean unless `baseline="batch"`.
+Process rewards (fastgrpo/rewards/process.py): `step_advantages` normalises step scores over all
+steps of a group (DeepSeekMath's process supervision), added per token to the outcome advantage.
 Departure from TRL: a group whose rewards are all equal (σ = 0) gets exactly 0 for every
 estimator, instead of (r − mean)/eps, which turns float round-off of the mean into ±1e-12-sized noise.
 """
@@ -139,3 +141,37 @@ def broadcast_to_tokens(values: torch.Tensor, cu_seqlens: Optional[torch.Tensor]
     if lens.numel() != values.numel():
         raise ValueError(f"{name}: describes {lens.numel()} sequences but values has {values.numel()}")
     return torch.repeat_interleave(values, lens.to(values.device))
+
+
+def step_advantages(step_scores: Sequence[Optional[Sequence[float]]], group_size: int, eps: float = 1e-4,
+                    credit: str = "step") -> list:
+    """Process supervision's step advantages (DeepSeekMath §4.1.3): completions i·G … i·G+G−1
+    form a group; every step score s_{j,k} of the group's scored completions (None = not scored:
+    no steps, or the scorer failed) is normalised over all of the group's steps,
+    Â_{j,k} = (s_{j,k} − mean) / (σ + eps), σ the population standard deviation; a group whose
+    step scores are all equal (σ = 0) gets exactly 0, as `compute_advantages` does. `credit`
+    "step" keeps Â_{j,k} per step; "to_go" gives step k the sum over its own and every later
+    step, Σ_{k' ≥ k} Â_{j,k'} (DeepSeekMath's per-token credit). Returns one float64 array [K_j]
+    per completion, or None where it had no scores."""
+    import numpy as np
+
+    if credit not in ("step", "to_go"):
+        raise ValueError(f"credit={credit!r}: expected 'step' or 'to_go'")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size: expected a positive int (completions per prompt), got {group_size!r}")
+    if len(step_scores) % group_size:
+        raise ValueError(f"step_scores: length {len(step_scores)} is not a multiple of group_size={group_size}")
+    out: list = [None] * len(step_scores)
+    for g in range(0, len(step_scores), group_size):
+        members = [(j, np.asarray(step_scores[j], dtype=np.float64)) for j in range(g, g + group_size)
+                   if step_scores[j] is not None and len(step_scores[j])]
+        if not members:
+            continue
+        flat = np.concatenate([s for _, s in members])
+        if not np.isfinite(flat).all():
+            raise ValueError(f"step_scores: non-finite step score in group {g // group_size}; expected finite scores")
+        mean, sigma = flat.mean(), flat.std()
+        for j, s in members:
+            a = np.zeros_like(s) if bool((flat == flat[0]).all()) else (s - mean) / (sigma + eps)
+            out[j] = np.cumsum(a[::-1])[::-1].copy() if credit == "to_go" else a
+    return out

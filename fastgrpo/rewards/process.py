@@ -1,0 +1,304 @@
+"""Process rewards: split a completion into steps, score every step, then use the step scores as
+an outcome reward (one number per completion) or as dense per-token advantages.
+
+Follows the process-supervision line of Lightman et al. 2023 ("Let's Verify Step by Step": a
+process reward model scores each step; a solution's score is the minimum or the product of its
+step scores), Math-Shepherd (Wang et al. 2024: step labels from a scorer instead of people) and
+DeepSeekMath's GRPO with process supervision (Shao et al. 2024, §4.1.3: step rewards normalised
+over all steps of a group's completions, each token credited from the steps it belongs to).
+
+Two uses, both configured under `rewards.process` (fastgrpo.config.ProcessConfig):
+  outcome  the reward `process` in `rewards.functions` = min | product | mean of the step scores
+           (the three reductions of the RLVR chapter: 1, 1, 0 → 0.0, 0.0, 0.67)
+  dense    `dense_weight` = w > 0: each token t of step k gets A_t = A_outcome + w·Â_k, Â_k the
+           step's score normalised over the group (fastgrpo.advantages.step_advantages); the
+           packed loss already takes per-token advantages (fastgrpo.packing.layout)
+
+Steps: the completion text cut by `delimiter` (the pieces between delimiters; blank pieces are no
+step) or, when `regex` is set, one step per match. A step owns its characters and the gap up to
+the next step (a delimiter belongs to the step it closes); text before the first step and after
+the last one belongs to no step, and its tokens get only the outcome advantage. A token belongs
+to the step holding its first character; a token with no text (eos) belongs to the step of the
+character before it.
+
+Scorer (`scorer`): a user function `fn(prompt: str, steps: list[str], answer: str) ->
+list[float]` (one score per step, finite; as `module:function` or `file.py:function`) or the
+built-in `arithmetic` (the demo task: a think step is right when it restates the prompt's two
+operands, an answer step when it holds their sum). A scorer that raises, returns the wrong
+number of scores or a non-finite one, and a completion with no steps are reported (the trainer's
+`reward error` line, naming the prompt id) and scored `rewards.error_score` as the outcome
+reward; in dense mode such a completion gets no step advantage. Departures: DeepSeekMath credits a
+token with the sum of the normalised scores of its step and every later one (`dense_credit:
+to_go`); the default (`step`) gives a token its own step's score only, which keeps a correct
+early step positive after a wrong later one.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from fastgrpo.rewards.registry import RewardInputs, import_reward
+
+REDUCTIONS = ("min", "product", "mean")
+CREDITS = ("step", "to_go")
+
+Span = Tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# steps of a text, and the steps of its tokens
+# ---------------------------------------------------------------------------------------------
+
+class StepSplitter:
+    """Character spans of the steps of a text: the non-blank pieces between `delimiter`s, or
+    one step per non-empty match of `regex` when it is given."""
+
+    def __init__(self, delimiter: str = "\n", regex: str = ""):
+        if not regex and not delimiter:
+            raise ValueError("config rewards.process.delimiter='': expected a non-empty delimiter or a rewards.process.regex")
+        try:
+            self.pattern = re.compile(regex, re.DOTALL) if regex else None
+        except re.error as e:
+            raise ValueError(f"config rewards.process.regex={regex!r}: expected a valid regular expression ({e})") from None
+        self.delimiter = delimiter
+
+    def spans(self, text: str) -> List[Span]:
+        if self.pattern is not None:
+            return [m.span() for m in self.pattern.finditer(text) if m.end() > m.start()]
+        out, start = [], 0
+        for piece in text.split(self.delimiter):
+            lead = len(piece) - len(piece.lstrip())
+            body = piece.strip()
+            if body:
+                out.append((start + lead, start + lead + len(body)))
+            start += len(piece) + len(self.delimiter)
+        return out
+
+    def split(self, text: str) -> List[str]:
+        return [text[a:b] for a, b in self.spans(text)]
+
+
+def token_offsets(tokenizer, ids: Sequence[int], text: str, cache: Optional[Dict[int, str]] = None) -> np.ndarray:
+    """[C, 2] character (start, end) of each completion token in `text` (= the tokenizer's decode
+    of `ids` with special tokens skipped). Each token's own decode when those join to `text`
+    (character and most BPE tokenizers); else each token's text is what it adds to the decode of
+    the six tokens before it (the incremental detokenisation of vLLM / TGI: SentencePiece's
+    leading spaces, bytes of one character split over tokens), clamped to `text`."""
+    cache = {} if cache is None else cache
+    pieces = []
+    for i in ids:
+        i = int(i)
+        if i not in cache:
+            cache[i] = tokenizer.decode([i], skip_special_tokens=True)
+        pieces.append(cache[i])
+    if "".join(pieces) == text:
+        lens = [len(p) for p in pieces]
+    else:
+        lens = []
+        for k in range(len(ids)):
+            s = max(0, k - 6)
+            window = [int(x) for x in ids[s:k + 1]]
+            lens.append(max(0, len(tokenizer.decode(window, skip_special_tokens=True))
+                            - len(tokenizer.decode(window[:-1], skip_special_tokens=True))))
+    ends = np.minimum(np.cumsum(np.asarray(lens, dtype=np.int64)), len(text))
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ends) else np.zeros(0, dtype=np.int64)
+    return np.stack([starts, ends], axis=1) if len(ends) else np.zeros((0, 2), dtype=np.int64)
+
+
+def token_steps(spans: Sequence[Span], offsets: np.ndarray) -> np.ndarray:
+    """[C] int64: the step of each token (−1 = none), by the ownership rule of the module
+    docstring: step k owns [start_k, start_{k+1}), the last step [start_K, end_K)."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not len(spans) or not len(offsets):
+        return np.full(len(offsets), -1, dtype=np.int64)
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    last_end = int(spans[-1][1])
+    # a token with no text stands for the character before it (eos closes the last step)
+    pos = np.where(offsets[:, 1] > offsets[:, 0], offsets[:, 0], offsets[:, 0] - 1)
+    k = np.searchsorted(starts, pos, side="right") - 1
+    k[(pos < 0) | ((k == len(spans) - 1) & (pos >= last_end))] = -1
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# scorers and reductions
+# ---------------------------------------------------------------------------------------------
+
+_TAG = re.compile(r"^\s*<(think|answer)>(.*?)</\1>\s*$", re.DOTALL)
+_OPERANDS = re.compile(r"^\s*(-?\d+)\s*\+\s*(-?\d+)\s*$")
+
+
+def arithmetic_steps(prompt: str, steps: Sequence[str], answer: str) -> List[float]:
+    """The demo task's step scorer (fastgrpo/tasks/arithmetic.py, `"12+7="` → `<think>7+12</think>
+    <answer>19</answer>`; split with regex `<think>.*?</think>|<answer>.*?</answer>`): a think step
+    scores 1 when it restates the prompt's two operands (either order), an answer step when it
+    holds their sum; anything else scores 0."""
+    ops = _OPERANDS.match(prompt.rstrip().rstrip("="))
+    want = sorted(int(x) for x in ops.groups()) if ops else None
+    out = []
+    for s in steps:
+        m = _TAG.match(s)
+        ok = False
+        if m and m.group(1) == "think":
+            got = _OPERANDS.match(m.group(2))
+            ok = got is not None and want is not None and sorted(int(x) for x in got.groups()) == want
+        elif m:
+            body = m.group(2).strip()
+            ok = re.fullmatch(r"-?\d+", body) is not None and re.fullmatch(r"-?\d+", str(answer).strip()) is not None \
+                and int(body) == int(str(answer).strip())
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+SCORERS: Dict[str, Callable] = {"arithmetic": arithmetic_steps}
+
+
+def reduce_steps(scores: Sequence[float], reduction: str) -> float:
+    """One outcome reward from step scores: min (Lightman et al.: a solution is as good as its
+    worst step), product (the probability every step is right), mean (partial credit)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: expected one of {list(REDUCTIONS)}")
+    if not len(scores):
+        raise ValueError("scores: expected at least one step score")
+    if reduction == "min":
+        return float(min(scores))
+    if reduction == "product":
+        return float(math.prod(scores))
+    return float(sum(scores) / len(scores))
+
+
+@dataclass
+class StepResult:
+    """One completion's steps: character spans, the scorer's scores (None when it failed), why."""
+
+    spans: List[Span]
+    scores: Optional[List[float]]
+    error: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the reward of a run
+# ---------------------------------------------------------------------------------------------
+
+class ProcessReward:
+    """The `rewards.process` of a run (built by `build_process`, held by `Rewards.process`).
+    Called as the `@inputs_reward` `process`, it scores a batch's steps, keeps them for the dense
+    advantages of the same batch (`results_for`) and returns each completion's reduction, None
+    (→ rewards.error_score) where scoring failed, with the failure kept for `drain_errors`."""
+
+    takes_inputs = True
+
+    def __init__(self, scorer: Callable, splitter: StepSplitter, reduction: str = "min", dense_weight: float = 0.0,
+                 credit: str = "step", name: str = "process"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"config rewards.process.reduction={reduction!r}: expected one of {list(REDUCTIONS)}")
+        if credit not in CREDITS:
+            raise ValueError(f"config rewards.process.dense_credit={credit!r}: expected one of {list(CREDITS)}")
+        self.scorer, self.splitter, self.reduction = scorer, splitter, reduction
+        self.dense_weight, self.credit, self.name = float(dense_weight), credit, name
+        self._last: Optional[Tuple[List[str], List[StepResult]]] = None
+        self._errors: List[str] = []
+        self._pieces: Dict[int, str] = {}  # token id → its decode (token_offsets' fast path)
+
+    @property
+    def dense(self) -> bool:
+        return self.dense_weight > 0
+
+    def score_one(self, prompt: str, text: str, answer: str) -> StepResult:
+        spans = self.splitter.spans(text)
+        if not spans:
+            return StepResult(spans, None, "the step splitter found no steps in the completion")
+        try:
+            got = list(self.scorer(prompt, [text[a:b] for a, b in spans], answer))
+        except Exception as e:  # noqa: BLE001 — a user scorer's failure is reported, never fatal
+            return StepResult(spans, None, f"the scorer raised {type(e).__name__}: {e}")
+        if len(got) != len(spans):
+            return StepResult(spans, None, f"the scorer returned {len(got)} scores for {len(spans)} steps")
+        try:
+            vals = [float(v) for v in got]
+        except (TypeError, ValueError):
+            return StepResult(spans, None, f"the scorer returned a non-number among {got!r:.80}")
+        if not all(math.isfinite(v) for v in vals):
+            return StepResult(spans, None, f"the scorer returned a non-finite score among {vals}")
+        return StepResult(spans, vals)
+
+    def score(self, inputs: RewardInputs) -> List[StepResult]:
+        """Step results of every completion of `inputs` (kept for `results_for`); failures are
+        queued for `drain_errors`, naming the prompt id and the completion's index in its group."""
+        G = max(1, inputs.group_size)
+        out = []
+        for j, (text, prob) in enumerate(zip(inputs.completions, inputs.problems)):
+            r = self.score_one(getattr(prob, "prompt", ""), text, str(getattr(prob, "answer", "")))
+            if r.error is not None:
+                key = getattr(prob, "key", "") or getattr(prob, "id", j // G)
+                self._errors.append(f"reward {self.name!r} on prompt id {key} (completion {j % G}): {r.error}; "
+                                    "scored rewards.error_score")
+            out.append(r)
+        self._last = (list(inputs.completions), out)
+        return out
+
+    def __call__(self, inputs: RewardInputs) -> List[Optional[float]]:
+        return [None if r.scores is None else reduce_steps(r.scores, self.reduction) for r in self.score(inputs)]
+
+    def results_for(self, problems: Sequence, groups: Sequence) -> List[StepResult]:
+        """The step results of this rollout batch (completion-major): those of the `process`
+        reward's call on it when there was one, else scored now."""
+        comps = [c for g in groups for c in g]
+        texts = [c.text for c in comps]
+        if self._last is not None and self._last[0] == texts:
+            return self._last[1]
+        G = len(groups[0]) if groups else 1
+        return self.score(RewardInputs(completions=texts, problems=[p for p in problems for _ in range(G)],
+                                       group_size=G))
+
+    def drain_errors(self) -> List[str]:
+        out, self._errors = self._errors, []
+        return out
+
+    def attach_dense(self, problems: Sequence, groups: Sequence, tokenizer) -> np.ndarray:
+        """Dense mode: set `c.step_advantages` (float32 [C_c] = w·Â of each token's step, 0 off
+        the steps) on every completion of the batch; returns [B] bool, the groups whose step
+        scores vary (they carry a gradient even when every outcome reward is equal)."""
+        from fastgrpo.advantages import step_advantages
+
+        results = self.results_for(problems, groups)
+        G = len(groups[0]) if groups else 1
+        adv = step_advantages([r.scores for r in results], G, credit=self.credit)
+        comps = [c for g in groups for c in g]
+        for c, r, a in zip(comps, results, adv):
+            if a is None:
+                c.step_advantages = np.zeros(len(c.token_ids), dtype=np.float32)
+                continue
+            steps = token_steps(r.spans, token_offsets(tokenizer, c.token_ids, c.text, self._pieces))
+            c.step_advantages = (self.dense_weight * np.where(steps >= 0, a[np.maximum(steps, 0)], 0.0)).astype(np.float32)
+        varies = [any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G]) for i in range(len(groups))]
+        return np.array(varies, dtype=bool)
+
+
+def token_advantages(outcome: float, completion):
+    """What the packer gets for one completion: its outcome advantage (a float), plus its dense
+    step advantages when `ProcessReward.attach_dense` set them."""
+    step = getattr(completion, "step_advantages", None)
+    return outcome if step is None else step + np.float32(outcome)
+
+
+def build_process(pcfg) -> Optional[ProcessReward]:
+    """The ProcessReward of a `ProcessConfig`, or None when `scorer` is empty. A scorer path that
+    does not import, an unknown built-in, a bad regex or reduction raise ValueError naming the
+    field (at load, before any model starts)."""
+    if not pcfg.scorer:
+        return None
+    if ":" in pcfg.scorer:
+        fn = import_reward(pcfg.scorer, field="rewards.process.scorer")
+    elif pcfg.scorer in SCORERS:
+        fn = SCORERS[pcfg.scorer]
+    else:
+        raise ValueError(f"config rewards.process.scorer={pcfg.scorer!r}: expected a built-in scorer among "
+                         f"{sorted(SCORERS)} or a user function as 'module:function' / 'file.py:function'")
+    return ProcessReward(fn, StepSplitter(pcfg.delimiter, pcfg.regex), pcfg.reduction, pcfg.dense_weight,
+                         pcfg.dense_credit)
+
