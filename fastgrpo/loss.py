@@ -14,6 +14,8 @@ per-chunk kernels are the "torch" or "triton" backend.
 NaN/Inf logits are detected from the per-token log-probs every backend returns (O(N), no extra
 pass over the logits): any non-finite value in a row makes that row's log-sum-exp non-finite.
 `FASTGRPO_CHECK_FINITE=0` (fastgrpo.env.check_finite) switches this and the O(N) input checks off.
+(With a soft cap, `LossConfig.softcap`, a +Inf logit is capped to +cap as in the model's own head:
+only NaN rows are then non-finite.)
 """
 from __future__ import annotations
 
@@ -165,24 +167,26 @@ def grpo_loss(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Ten
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   return_entropy: bool = False, impl: str = "auto"):
+                   return_entropy: bool = False, impl: str = "auto", softcap: Optional[float] = None):
     """(logp [N], entropy [N] | None) of softmax(logits/τ) at `targets`, float32 (float64 for
-    float64 logits). Differentiable on the reference and torch paths; Triton's is no-grad."""
+    float64 logits). Differentiable on the reference and torch paths; Triton's is no-grad.
+    `softcap`: cap the logits first, z ← softcap·tanh(z/softcap) (Gemma 2/3's
+    final_logit_softcapping), inside the kernels; None or 0: off."""
     n, _ = check_logits_targets(logits, targets)
     if targets.device != logits.device:
         raise ValueError(f"targets: is on {targets.device} but logits are on {logits.device}")
-    LossConfig(temperature=temperature)  # validates τ with the config's message
+    softcap = LossConfig(temperature=temperature, softcap=softcap).softcap  # validates τ and the cap, 0 → None
     impl = _resolve_impl(impl, logits, "logprobs")
     if impl == "reference":
         from fastgrpo.kernels.reference import token_logprobs_reference
 
-        logp, ent = token_logprobs_reference(logits, targets, temperature, return_entropy)
+        logp, ent = token_logprobs_reference(logits, targets, temperature, return_entropy, softcap)
     elif impl == "torch":
         from fastgrpo.kernels.cpu_stream import token_logprobs_torch
 
-        logp, ent = token_logprobs_torch(logits, targets, temperature, return_entropy)
+        logp, ent = token_logprobs_torch(logits, targets, temperature, return_entropy, softcap=softcap)
     else:
-        logp, ent = _triton_backend("logprobs")(logits, targets, temperature, return_entropy)
+        logp, ent = _triton_backend("logprobs")(logits, targets, temperature, return_entropy, softcap)
     _check_output_finite(logp.detach(), None if ent is None else ent.detach())
     return logp, ent
 
@@ -225,7 +229,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     if impl == "reference":
         from fastgrpo.kernels.reference import grpo_loss_reference
 
-        logits = hidden @ weight.t() + (bias if bias is not None else 0)
+        logits = hidden @ weight.t() + (bias if bias is not None else 0)  # capped inside, by config.softcap
         out = grpo_loss_reference(logits, targets, advantages, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
                                   weights=weights, cu_seqlens=cu, config=config, num_items=num_items,
                                   return_entropy=return_entropy)

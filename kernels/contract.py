@@ -38,6 +38,8 @@ class LossConfig:
     ratio_level: str = "token"  # "token" (PPO/GRPO) or "sequence" (GSPO: exp of the masked mean log-ratio)
     loss_agg: str = "token-mean"  # one of LOSS_AGGS
     max_len: Optional[int] = None  # L_max of seq-mean-token-sum-norm (Dr. GRPO), e.g. max completion length
+    # logit soft-capping z ← cap·tanh(z/cap) before 1/τ (Gemma 2/3's final_logit_softcapping); None / 0 = off
+    softcap: Optional[float] = None
 
     def __post_init__(self):
         def bad(name, want):
@@ -69,6 +71,12 @@ class LossConfig:
             bad("max_len", "a positive int when loss_agg='seq-mean-token-sum-norm' (Dr. GRPO's L_max)")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
             bad("max_len", "None or a positive int")
+        if self.softcap is not None:
+            if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not (
+                    self.softcap >= 0 and math.isfinite(self.softcap)):
+                bad("softcap", "None, 0 (off) or a finite number > 0 (the cap of cap·tanh(z/cap))")
+            # 0 means off (as Gemma configs write it): one spelling, so that equal configs compare equal
+            object.__setattr__(self, "softcap", float(self.softcap) if self.softcap > 0 else None)
 
     @classmethod
     def field_names(cls):
@@ -187,10 +195,12 @@ def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int
 class LogprobsBackend(NamedTuple):
     """The two O(N·V) passes of a backend (CPU streaming torch, or Triton)."""
 
-    # (logits, targets, temperature, need_entropy) -> (logp [N], lse [N], entropy [N] | None)
+    # (logits, targets, temperature, need_entropy, softcap | None) -> (logp [N], lse [N], entropy [N] | None),
+    # of softmax(c/τ) with c = softcap·tanh(z/softcap) (c = z without a cap)
     stats: Callable
-    # (logits, targets, lse, g, h | None, entropy | None, temperature, out | None) -> ∂loss/∂logits,
-    # written into `out` when given (out may be `logits` itself: the in-place gradient)
+    # (logits, targets, lse, g, h | None, entropy | None, temperature, out | None, softcap | None) ->
+    # ∂loss/∂logits (w.r.t. the uncapped z), written into `out` when given (out may be `logits` itself:
+    # the in-place gradient)
     grad: Callable
 
 
@@ -200,13 +210,15 @@ class TokenLogprobsFunction(torch.autograd.Function):
     The autograd boundary sits at the log-probs: the O(N) objective on top (objective.py) is
     ordinary differentiable torch, whose backward delivers g_t = ∂loss/∂logp_t and
     h_t = ∂loss/∂H_t, from which the backend's gradient pass writes
-    ∂loss/∂z = (g·(onehot − p) − h·p·(log p + H))/τ in one read of the logits."""
+    ∂loss/∂z = (g·(onehot − p) − h·p·(log p + H))/τ in one read of the logits (times
+    1 − tanh²(z/cap) with a soft cap: the gradient w.r.t. the uncapped logits)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, need_entropy, inplace, backend):
-        logp, lse, ent = backend.stats(logits, targets, temperature, need_entropy)
+    def forward(ctx, logits, targets, temperature, need_entropy, inplace, backend, softcap=None):
+        logp, lse, ent = backend.stats(logits, targets, temperature, need_entropy, softcap)
         ctx.save_for_backward(logits, targets, lse, ent if ent is not None else lse.new_empty(0))
         ctx.temperature, ctx.need_entropy, ctx.inplace, ctx.backend = temperature, need_entropy, inplace, backend
+        ctx.softcap = softcap
         if ent is None:
             ent = lse.new_empty(0)
             ctx.mark_non_differentiable(ent)
@@ -220,21 +232,23 @@ class TokenLogprobsFunction(torch.autograd.Function):
             g_logp = torch.zeros_like(lse)
         h = g_ent if (ctx.need_entropy and g_ent is not None) else None
         grad = ctx.backend.grad(logits, targets, lse, g_logp, h, ent if h is not None else None, ctx.temperature,
-                                logits if ctx.inplace else None)
-        return grad, None, None, None, None, None
+                                logits if ctx.inplace else None, ctx.softcap)
+        return grad, None, None, None, None, None, None
 
 
 def differentiable_logprobs(backend: LogprobsBackend, logits: torch.Tensor, targets: torch.Tensor,
-                            temperature: float, return_entropy: bool, inplace_backward: bool):
+                            temperature: float, return_entropy: bool, inplace_backward: bool,
+                            softcap: Optional[float] = None):
     """(logp, entropy | None) through `backend`, differentiable when the logits need a gradient.
+    `softcap`: the cap of cap·tanh(z/cap) applied to the logits inside the backend (None: off).
 
     A leaf (a user's tensor or a parameter) is never overwritten in place: its values would be
     lost and its .grad would alias them. In place is for activations (the lm_head output)."""
     if not (logits.requires_grad and torch.is_grad_enabled()):
         with torch.no_grad():
-            logp, _, ent = backend.stats(logits, targets, temperature, return_entropy)
+            logp, _, ent = backend.stats(logits, targets, temperature, return_entropy, softcap)
         return logp, ent
     inplace = bool(inplace_backward) and not logits.is_leaf
     logp, ent = TokenLogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy), inplace,
-                                            backend)
+                                            backend, softcap)
     return logp, (ent if return_entropy else None)

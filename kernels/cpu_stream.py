@@ -18,6 +18,12 @@ is wanted), as Liger-Kernel's losses do it: blocks of full-vocabulary rows are e
 the block's objective coefficients are computed right away, and the gradient is written during the
 forward; the backward only scales it. On CPU the exp costs ~10× a copy per element, so one exp
 instead of two is most of the speed. Its buffers are R×V rows (R·V ≤ `_FUSED_ELEMS`).
+
+Soft-capping (`LossConfig.softcap`, Gemma 2/3's final_logit_softcapping): each tile is capped on its
+way into the float32 buffer, c = cap·tanh(z/cap) in transformers' op order (so float32 capped
+logits equal the model's own bit for bit), and the backward multiplies by 1 − tanh²(z/cap) from a
+tanh recomputed per tile: the gradient is w.r.t. the uncapped logits, and no capped N×V copy
+exists. It costs one more R×C (R×V in single-pass mode) buffer and a tanh per element per pass.
 """
 from __future__ import annotations
 
@@ -52,13 +58,27 @@ def tile_shape(n: int, v: int, vocab_chunk: Optional[int] = None) -> Tuple[int, 
     return r, c
 
 
-def _shifted_tile(src: torch.Tensor, shift: torch.Tensor, buf: torch.Tensor, inv_tau: float) -> torch.Tensor:
+def _shifted_tile(src: torch.Tensor, shift: torch.Tensor, buf: torch.Tensor, inv_tau: float,
+                  softcap: Optional[float] = None, tbuf: Optional[torch.Tensor] = None) -> torch.Tensor:
     """buf ← (src − shift)·(1/τ) in the compute dtype: the subtraction reads the bf16/fp32 tile and
-    writes the upcast result in one pass (tensor-tensor type promotion), so no separate copy."""
-    out = torch.sub(src, shift.unsqueeze(1), out=buf[: src.shape[0], : src.shape[1]])
+    writes the upcast result in one pass (tensor-tensor type promotion), so no separate copy.
+    With `softcap`: buf ← (cap·t − shift)·(1/τ), t = tanh(src/cap) left in `tbuf` (default: `buf`
+    itself, then t is not kept) for a backward's 1 − t²; `shift` is then a capped value."""
+    r, c = src.shape
+    if softcap is None:
+        out = torch.sub(src, shift.unsqueeze(1), out=buf[:r, :c])
+    else:
+        t = (buf if tbuf is None else tbuf)[:r, :c]
+        t.copy_(src).div_(softcap).tanh_()  # upcast first: a bf16 division would round z/cap to bf16
+        out = torch.mul(t, softcap, out=buf[:r, :c]).sub_(shift.unsqueeze(1))
     if inv_tau != 1.0:
         out.mul_(inv_tau)
     return out
+
+
+def _cap_(x: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """x ← cap·tanh(x/cap) in place on an [N]-sized vector (row maxima, target logits)."""
+    return x if softcap is None else x.div_(softcap).tanh_().mul_(softcap)
 
 
 _SHIFT_FLOOR = -1e30  # finite in float32 and float64
@@ -66,9 +86,10 @@ _SHIFT_FLOOR = -1e30  # finite in float32 and float64
 
 @torch.no_grad()
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  need_entropy: bool = False, vocab_chunk: Optional[int] = None):
-    """One streaming pass: (logp [N], lse [N], entropy [N] or None) of softmax(z/τ), in the
-    compute dtype. lse is the log-sum-exp of z/τ, saved for the backward."""
+                  need_entropy: bool = False, vocab_chunk: Optional[int] = None, softcap: Optional[float] = None):
+    """One streaming pass: (logp [N], lse [N], entropy [N] or None) of softmax(c/τ), in the
+    compute dtype, c = softcap·tanh(z/softcap) (c = z without a cap). lse is the log-sum-exp of
+    c/τ, saved for the backward."""
     n, v = logits.shape
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
@@ -88,9 +109,10 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
             src = logits[r0:r1, c0:c1]
             # max of raw logits is exact in any dtype (τ > 0 keeps order); floored at −1e30 so a
             # tile that is all −inf shifts by a finite value instead of making (−inf) − (−inf) = NaN
-            cm = src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR)
+            # (the cap is monotone: the capped maximum is the cap of the raw one)
+            cm = _cap_(src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR), softcap)
             m_new = cm if m is None else torch.maximum(m, cm)
-            y = _shifted_tile(src, m_new, ybuf, inv_tau)  # (z − m_new)/τ ≤ 0
+            y = _shifted_tile(src, m_new, ybuf, inv_tau, softcap)  # (c − m_new)/τ ≤ 0
             if need_entropy:
                 e = torch.exp(y, out=ebuf[: r1 - r0, : c1 - c0])
                 s_c = e.sum(dim=1)
@@ -111,16 +133,18 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
         lse[r0:r1] = m * inv_tau + log_s
         if need_entropy:
             ent[r0:r1] = log_s - u / s  # H = log Σe^y − Σ e^y·y / Σ e^y with y = (z − m)/τ
-    zt = logits.gather(1, targets.long().unsqueeze(1)).squeeze(1).to(cdt) * inv_tau
+    zt = _cap_(logits.gather(1, targets.long().unsqueeze(1)).squeeze(1).to(cdt), softcap) * inv_tau
     return zt - lse, lse, ent
 
 
 @torch.no_grad()
 def logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
                 h: Optional[torch.Tensor], entropy: Optional[torch.Tensor], temperature: float,
-                out: torch.Tensor, vocab_chunk: Optional[int] = None) -> torch.Tensor:
+                out: torch.Tensor, vocab_chunk: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Write ∂loss/∂z = (g·(onehot(y) − p) − h·p·(log p + H))/τ into `out` ([N, V], any float
-    dtype; may be `logits` itself: every tile is read before it is overwritten)."""
+    dtype; may be `logits` itself: every tile is read before it is overwritten). With `softcap`
+    p is the softmax of the capped logits and the result is times 1 − tanh²(z/cap): the gradient
+    w.r.t. the uncapped z."""
     n, v = logits.shape
     if n == 0:
         return out
@@ -134,19 +158,24 @@ def logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
     rows, cols = tile_shape(n, v, vocab_chunk)
     ybuf = torch.empty(rows, cols, dtype=cdt, device=logits.device)
     pbuf = torch.empty(rows, cols, dtype=cdt, device=logits.device) if hs is not None else None
+    tbuf = torch.empty(rows, cols, dtype=cdt, device=logits.device) if softcap is not None else None
     tgt = targets.long()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t_r = tgt[r0:r1]
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            y = _shifted_tile(logits[r0:r1, c0:c1], lse_raw[r0:r1], ybuf, inv_tau)  # log p
+            y = _shifted_tile(logits[r0:r1, c0:c1], lse_raw[r0:r1], ybuf, inv_tau, softcap, tbuf)  # log p
+            # ∂c/∂z = 1 − t² (t = tanh(z/cap), as torch's tanh backward forms it)
+            dcap = None if tbuf is None else tbuf[: r1 - r0, : c1 - c0].square_().neg_().add_(1.0)
             hit = (t_r >= c0) & (t_r < c1)
             rr = hit.nonzero().squeeze(1) if bool(hit.any()) else None
             if hs is None:
                 q = y.exp_()  # ∂/∂z = −g·(p − onehot)/τ
                 if rr is not None:
                     q.index_put_((rr, t_r[rr] - c0), q.new_tensor(-1.0), accumulate=True)
+                if dcap is not None:
+                    q.mul_(dcap)
                 torch.mul(q, neg_g[r0:r1], out=out[r0:r1, c0:c1])
             else:
                 # ∂/∂z = −(p·(g + h·(log p + H)) − g·onehot)/τ
@@ -154,6 +183,8 @@ def logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
                 q = y.add_(entropy[r0:r1].to(cdt).unsqueeze(1)).mul_(hs[r0:r1]).add_(gs[r0:r1]).mul_(p)
                 if rr is not None:
                     q.index_put_((rr, t_r[rr] - c0), -gs[r0:r1][rr].squeeze(1), accumulate=True)
+                if dcap is not None:
+                    q.mul_(dcap)
                 torch.mul(q, -inv_tau, out=out[r0:r1, c0:c1])
     return out
 
@@ -161,22 +192,23 @@ def logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, 
 def torch_backend(vocab_chunk: Optional[int] = None) -> LogprobsBackend:
     """The CPU streaming passes as a `LogprobsBackend` (common.TokenLogprobsFunction)."""
 
-    def stats(logits, targets, temperature, need_entropy):
-        return logprob_stats(logits, targets, temperature, need_entropy, vocab_chunk)
+    def stats(logits, targets, temperature, need_entropy, softcap=None):
+        return logprob_stats(logits, targets, temperature, need_entropy, vocab_chunk, softcap)
 
-    def grad(logits, targets, lse, g, h, entropy, temperature, out):
+    def grad(logits, targets, lse, g, h, entropy, temperature, out, softcap=None):
         out = torch.empty_like(logits) if out is None else out
-        return logits_grad(logits, targets, lse, g, h, entropy, temperature, out, vocab_chunk)
+        return logits_grad(logits, targets, lse, g, h, entropy, temperature, out, vocab_chunk, softcap)
 
     return LogprobsBackend(stats, grad)
 
 
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          return_entropy: bool = False, inplace_backward: bool = False,
-                         vocab_chunk: Optional[int] = None):
-    """Differentiable (logp, entropy | None), both [N] in float32 (float64 for float64 logits)."""
+                         vocab_chunk: Optional[int] = None, softcap: Optional[float] = None):
+    """Differentiable (logp, entropy | None), both [N] in float32 (float64 for float64 logits), of
+    softmax(c/τ) with c = softcap·tanh(z/softcap) (c = z for softcap None)."""
     return differentiable_logprobs(torch_backend(vocab_chunk), logits, targets, temperature, return_entropy,
-                                   inplace_backward)
+                                   inplace_backward, softcap)
 
 
 def loss_from_logprobs(logp, entropy, n, device, advantages, *, mask, old_logp, ref_logp, weights,
@@ -210,6 +242,7 @@ def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: 
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
     inv_tau = 1.0 / float(config.temperature)
+    cap = config.softcap
     logp = torch.empty(n, dtype=cdt, device=dev)
     ent = torch.empty(n, dtype=cdt, device=dev) if need_entropy else None
     ratio = torch.empty(n, dtype=cdt, device=dev)
@@ -220,13 +253,15 @@ def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: 
     rows = max(1, min(n, _FUSED_ELEMS // v))
     ybuf = torch.empty(rows, v, dtype=cdt, device=dev)
     ebuf = torch.empty(rows, v, dtype=cdt, device=dev) if need_entropy else None
+    tbuf = torch.empty(rows, v, dtype=cdt, device=dev) if cap is not None else None  # tanh(z/cap), then 1 − t²
     tgt = targets.long()
-    zt = logits.gather(1, tgt.unsqueeze(1)).squeeze(1).to(cdt) * inv_tau
+    zt = _cap_(logits.gather(1, tgt.unsqueeze(1)).squeeze(1).to(cdt), cap) * inv_tau
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         src = logits[r0:r1]
-        m = src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR)
-        y = _shifted_tile(src, m, ybuf, inv_tau)  # (z − m)/τ
+        m = _cap_(src.amax(dim=1).to(cdt).clamp_(min=_SHIFT_FLOOR), cap)
+        y = _shifted_tile(src, m, ybuf, inv_tau, cap, tbuf)  # (c − m)/τ
+        dcap = None if tbuf is None else tbuf[: r1 - r0].square_().neg_().add_(1.0)  # ∂c/∂z = 1 − t²
         e = torch.exp(y, out=ebuf[: r1 - r0]) if need_entropy else y.exp_()
         s = e.sum(dim=1)
         log_s = torch.log(s)
@@ -247,12 +282,16 @@ def loss_and_grad_single_pass(logits: torch.Tensor, targets: torch.Tensor, inp: 
         if h is None:
             q = e.mul_(inv_s)  # p
             q[rr, tgt[r0:r1]] -= 1.0
+            if dcap is not None:
+                q.mul_(dcap)
             torch.mul(q, (g * -inv_tau).unsqueeze(1), out=out[r0:r1])
         else:
             # p·(g + h·(log p + H)) − g·onehot, with log p + H = y − log s + H
             q = y.sub_((log_s - h_ent).unsqueeze(1)).mul_(h.unsqueeze(1)).add_(g.unsqueeze(1))
             q.mul_(e).mul_(inv_s)
             q[rr, tgt[r0:r1]] -= g
+            if dcap is not None:
+                q.mul_(dcap)
             torch.mul(q, -inv_tau, out=out[r0:r1])
     return loss, logp, ent, ratio, kl
 
@@ -316,7 +355,7 @@ def grpo_loss_torch(logits: torch.Tensor, targets: torch.Tensor, advantages: tor
         kl = kl if config.beta != 0.0 else None
         return LossOutput(loss=loss, logp=logp, entropy=ent, metrics=objective_metrics(ratio, kl, ent, inp, config))
     logp, ent = token_logprobs_torch(logits, targets, config.temperature, need_ent, inplace_backward,
-                                     vocab_chunk)
+                                     vocab_chunk, config.softcap)
     # entropy is returned when asked or when α ≠ 0 (computed anyway), as LossOutput documents
     return loss_from_logprobs(logp, ent, logits.shape[0], logits.device, advantages, mask=mask,
                               old_logp=old_logp, ref_logp=ref_logp, weights=weights, cu_seqlens=cu_seqlens,

@@ -22,6 +22,9 @@ backward needs 4, and sequence-level ratios take the two-sweep branch below.)
 Backend "cce" (`triton/fused_linear.py`) is the single-kernel alternative (Apple's Cut
 Cross-Entropy): the matmul tile and the online log-sum-exp in one kernel, so no logits tile
 reaches memory; all N tokens go in one launch (nothing N×V is held), the objective in between.
+A soft cap (`LossConfig.softcap`, Gemma 2/3) is applied by the per-chunk kernels (or inside the
+cce kernels) to each logits tile; the chunk's gradient they write is w.r.t. the uncapped logits,
+which is what the dH / dW matmuls need.
 """
 from __future__ import annotations
 
@@ -52,24 +55,24 @@ def default_chunk_size(n: int, v: int, dtype: torch.dtype, device: torch.device)
     return int(max(1, min(n, rows)))
 
 
-def _triton_fwd(logits, targets, temperature, need_ent):
+def _triton_fwd(logits, targets, temperature, need_ent, softcap):
     from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 
-    return token_logprobs_fwd(logits, targets, temperature, need_ent)
+    return token_logprobs_fwd(logits, targets, temperature, need_ent, softcap)
 
 
-def _triton_bwd(logits, targets, lse, g, h, ent, temperature):
+def _triton_bwd(logits, targets, lse, g, h, ent, temperature, softcap):
     from fastgrpo.kernels.triton.grpo_loss import grpo_loss_bwd
 
-    return grpo_loss_bwd(logits, targets, lse, g, h, ent, temperature, out=logits)
+    return grpo_loss_bwd(logits, targets, lse, g, h, ent, temperature, out=logits, softcap=softcap)
 
 
-def _torch_fwd(logits, targets, temperature, need_ent):
-    return cpu_stream.logprob_stats(logits, targets, temperature, need_ent)
+def _torch_fwd(logits, targets, temperature, need_ent, softcap):
+    return cpu_stream.logprob_stats(logits, targets, temperature, need_ent, softcap=softcap)
 
 
-def _torch_bwd(logits, targets, lse, g, h, ent, temperature):
-    return cpu_stream.logits_grad(logits, targets, lse, g, h, ent, temperature, out=logits)
+def _torch_bwd(logits, targets, lse, g, h, ent, temperature, softcap):
+    return cpu_stream.logits_grad(logits, targets, lse, g, h, ent, temperature, out=logits, softcap=softcap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +120,7 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
     v = weight.shape[0]
     dev = hidden.device
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    tau = config.temperature
+    tau, cap = config.temperature, config.softcap
     need_ent = need_entropy or config.entropy_coef != 0.0
     logp = torch.empty(n, dtype=cdt, device=dev)
     ent = torch.empty(n, dtype=cdt, device=dev) if need_ent else None
@@ -144,7 +147,7 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             z = chunk_logits(s, e)
-            lp, lse, en = fwd(z, targets[s:e], tau, need_ent)
+            lp, lse, en = fwd(z, targets[s:e], tau, need_ent, cap)
             loss_c, g, h, r_c, kl_c = objective_coefficients(lp, en, _slice(inp, s, e), config)
             loss += loss_c
             logp[s:e], ratio[s:e] = lp, r_c
@@ -153,13 +156,13 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
             if kl is not None:
                 kl[s:e] = kl_c
             if need_dh or need_dw or need_db:  # nothing to differentiate (e.g. no_grad scoring): skip
-                grad_matmuls(bwd(z, targets[s:e], lse, g, h, en, tau), s, e)
+                grad_matmuls(bwd(z, targets[s:e], lse, g, h, en, tau, cap), s, e)
             del z
     else:
         lses = torch.empty(n, dtype=cdt, device=dev)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            lp, lses[s:e], en = fwd(chunk_logits(s, e), targets[s:e], tau, need_ent)
+            lp, lses[s:e], en = fwd(chunk_logits(s, e), targets[s:e], tau, need_ent, cap)
             logp[s:e] = lp
             if need_ent:
                 ent[s:e] = en
@@ -168,7 +171,7 @@ def fused_linear_fwd(hidden, weight, bias, targets, inp: ObjectiveInputs, config
             e = min(n, s + chunk)
             z = chunk_logits(s, e)
             dz = bwd(z, targets[s:e], lses[s:e], g[s:e], None if h is None else h[s:e],
-                     None if ent is None else ent[s:e], tau)
+                     None if ent is None else ent[s:e], tau, cap)
             grad_matmuls(dz, s, e)
             del z, dz
     return loss, logp, ent, ratio, kl, dh, dw, db
@@ -182,13 +185,14 @@ def _fused_linear_cce(hidden, weight, bias, targets, inp: ObjectiveInputs, confi
 
     tau = config.temperature
     need_ent = need_entropy or config.entropy_coef != 0.0
-    logp, lse, ent = cce_fwd(hidden, weight, bias, targets, tau, need_ent)
+    logp, lse, ent = cce_fwd(hidden, weight, bias, targets, tau, need_ent, config.softcap)
     loss, g, h, ratio, kl = objective_coefficients(logp, ent, inp, config)
     dev, v = hidden.device, weight.shape[0]
     dh32 = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.zeros(v, weight.shape[1], dtype=torch.float32, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    cce_bwd(hidden, weight, bias, targets, lse, g, h, ent if h is not None else None, tau, dh32, dw, db)
+    cce_bwd(hidden, weight, bias, targets, lse, g, h, ent if h is not None else None, tau, dh32, dw, db,
+            softcap=config.softcap)
     dh = dh32.to(hidden.dtype) if need_dh else None
     return loss, logp, ent, ratio, kl, dh, dw, db
 

@@ -5,7 +5,9 @@ produce the gradients. Every other backend (the CPU streaming path in `cpu_strea
 Triton kernels) is tested against it in float64. Follows DeepSeekMath's GRPO objective with
 the variants named in the contract: DAPO clip-higher (ε_low ≠ ε_high), the δ cap of TRL's
 `delta`, dual clip (Ye et al. 2020), k1/k2/k3 KL (Schulman's estimators), GSPO's sequence-level
-ratio, Dr. GRPO's `seq-mean-token-sum-norm`.
+ratio, Dr. GRPO's `seq-mean-token-sum-norm`, and Gemma 2's final-logit soft-capping
+(`LossConfig.softcap`: z ← cap·tanh(z/cap) before the temperature; everything after it, the
+entropy and the KL included, sees the capped distribution).
 """
 from __future__ import annotations
 
@@ -23,13 +25,22 @@ from fastgrpo.kernels.contract import (
 )
 
 
+def softcap_logits(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """cap·tanh(z/cap) (the identity for None), in the op order of transformers' Gemma 2 head
+    (divide, tanh, multiply), so that float32 capped logits match the model's own bit for bit."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
 def token_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                             return_entropy: bool = False):
-    """logp_t = z_t[y_t]/τ − logsumexp(z_t/τ); H_t = −Σ p log p of softmax(z_t/τ).
+                             return_entropy: bool = False, softcap: Optional[float] = None):
+    """logp_t = c_t[y_t]/τ − logsumexp(c_t/τ); H_t = −Σ p log p of softmax(c_t/τ), with
+    c = softcap·tanh(z/softcap) (c = z when softcap is None).
 
     Computed in the input dtype (float64 in, float64 out), differentiable.
     """
-    z = logits / temperature
+    z = softcap_logits(logits, softcap) / temperature
     logsm = torch.log_softmax(z, dim=-1)
     logp = logsm.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = None
@@ -119,7 +130,7 @@ def grpo_loss_reference(logits: torch.Tensor, targets: torch.Tensor, advantages:
     num_seqs = cu.numel() - 1
     seq_ids = seq_ids_from_cu(cu, logits.device)
     need_ent = return_entropy or config.entropy_coef != 0.0
-    logp, entropy = token_logprobs_reference(logits, targets, config.temperature, need_ent)
+    logp, entropy = token_logprobs_reference(logits, targets, config.temperature, need_ent, config.softcap)
     # Off-mask positions may hold garbage (old/ref log-probs of 0 or −inf on prompt tokens, NaN
     # weights): give them neutral values (ratio 1, KL 0, advantage and weight 0) so that a_t = 0
     # there cannot meet an inf and make the loss or a gradient NaN.

@@ -1,5 +1,12 @@
 """Shared Triton pieces of the fused GRPO kernels: the online log-sum-exp / entropy update over
-one vocabulary block of a row tile, and the autotune set-up shared by every kernel.
+one vocabulary block of a row tile, the logit soft cap (Gemma 2/3's final_logit_softcapping) and
+its derivative, and the autotune set-up shared by every kernel.
+
+Soft cap: c = cap·tanh(z/cap) with tanh from one exp, e = exp(−2|z|/cap), tanh = ±(1 − e)/(1 + e),
+and ∂c/∂z = 4e/(1 + e)² (= 1 − tanh², without the cancellation of 1 − t² where t rounds to ±1).
+Triton's core language has no tanh and libdevice's does not run under the interpreter; the
+absolute error of (1 − e)/(1 + e) is a few ulp of 1, so c is off by a few ulp of the cap, which is
+the size of the rounding of a capped logit near ±cap anyway.
 
 Online softmax follows Milakov & Gimelshein (2018) as used by Liger-Kernel and Apple's Cut
 Cross-Entropy; the entropy rides along as a second running sum. Departure from Liger: every
@@ -57,6 +64,33 @@ def online_lse_update(x, m, s, t, HAS_ENT: tl.constexpr):
 
 
 @triton.jit
+def softcap_grad(x, cap, inv_cap):
+    """(cap·tanh(x/cap), ∂/∂x = 1 − tanh²(x/cap)) elementwise, in the dtype of x (see the module
+    docstring). x = −inf gives (−cap, 0): a caller that pads with −inf re-masks afterwards."""
+    e = tl.exp(-2.0 * tl.abs(x) * inv_cap)
+    d = 1.0 + e
+    t = (1.0 - e) / d
+    c = tl.where(x < 0, -t, t) * cap
+    return c, 4.0 * e / (d * d)
+
+
+@triton.jit
+def apply_softcap(x, cap, inv_cap):
+    """cap·tanh(x/cap) elementwise (the forward half of `softcap_grad`)."""
+    c, _ = softcap_grad(x, cap, inv_cap)
+    return c
+
+
+@triton.jit
+def load_cap(cap, cap_lo, FP64: tl.constexpr):
+    """(cap, 1/cap) in the accumulation dtype: the fp32 pair (hi, lo) joined in fp64, as load_scale."""
+    c = cap
+    if FP64:
+        c = tl.cast(cap, tl.float64) + tl.cast(cap_lo, tl.float64)
+    return c, 1.0 / c
+
+
+@triton.jit
 def grad_block(x, cols, lse, g, h, ent, tgt, HAS_H: tl.constexpr):
     """g·(δ_{j,y} − p_j) − h·p_j·(log p_j + H) on one [BN, BV] block of scaled logits x = z/τ
     (g and h already carry the 1/τ)."""
@@ -88,17 +122,31 @@ def interp_config(n_rows: int, n_cols: int):
     return KernelConfig(bn, bv, 4, 1)
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def split_inv_temp(temperature: float):
     """1/τ as an fp32 pair (hi, lo) with hi + lo = 1/τ to ~2^-48: compiled Triton passes Python
     floats as fp32, which would cap the fp64 (oracle-grade) path at fp32 accuracy for τ ≠ 1."""
-    def f32(x: float) -> float:
-        return struct.unpack("f", struct.pack("f", x))[0]
-
     inv = 1.0 / float(temperature)
     if not inv < 3.0e38:
         raise ValueError(f"temperature={temperature!r}: 1/τ must fit in float32 (τ > 3.4e-39) for the Triton kernels")
-    hi = f32(inv)
-    return hi, f32(inv - hi)
+    hi = _f32(inv)
+    return hi, _f32(inv - hi)
+
+
+def split_softcap(softcap):
+    """(HAS_SOFTCAP, cap hi, cap lo): the soft cap as the fp32 pair the kernels take (1.0, 0.0
+    when off, never read then), split as `split_inv_temp` for the fp64 path."""
+    if softcap is None:
+        return False, 1.0, 0.0
+    cap = float(softcap)
+    if not 1.2e-38 < cap < 3.0e38:
+        raise ValueError(f"softcap={softcap!r}: the cap must be a normal float32 (1.2e-38 < cap < 3e38) for the "
+                         "Triton kernels")
+    hi = _f32(cap)
+    return True, hi, _f32(cap - hi)
 
 
 @triton.jit

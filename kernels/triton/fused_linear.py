@@ -13,6 +13,8 @@ skips vocabulary tiles whose p is below bf16 resolution), no vocabulary sorting,
 rows all have g = h = 0 (prompt / masked tokens) return at once. Backend "cce" of
 `fused_linear.fused_linear_fwd`; the O(N) objective between the two kernels is the chunked
 path's. bf16 / fp16 / fp32 (fp32 dots in IEEE precision, as torch.mm); fp64 is refused.
+A soft cap (`HAS_SOFTCAP`, Gemma 2/3's final_logit_softcapping) is applied to the fp32 logits
+tile in registers (`_common.softcap_grad`), and the backward's dZ carries ∂c/∂z = 1 − tanh²(z/cap).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.triton._common import INTERPRET, grad_block, online_lse_update, row_tile, split_inv_temp
+from fastgrpo.kernels.triton._common import (
+    INTERPRET, apply_softcap, grad_block, online_lse_update, row_tile, softcap_grad, split_inv_temp, split_softcap)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UPCAST_HALF = tl.constexpr(bool(INTERPRET))
@@ -73,8 +76,10 @@ def _cce_fwd_kernel(
     n_cols,  # V
     n_hidden,  # H
     inv_temp,  # 1/τ, runtime: a new temperature does not recompile
+    softcap,  # soft cap, runtime: a new cap does not recompile; read when HAS_SOFTCAP
     HAS_BIAS: tl.constexpr,  # add the bias
     HAS_ENT: tl.constexpr,  # write the entropy
+    HAS_SOFTCAP: tl.constexpr,  # cap the logits: z ← softcap·tanh(z/softcap) before 1/τ
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_V: tl.constexpr,  # vocabulary columns per tile
     BLOCK_H: tl.constexpr,  # hidden columns per dot step
@@ -90,7 +95,10 @@ def _cce_fwd_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < n_cols
         x = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, tl.minimum(cols, n_cols - 1), stride_hn, stride_wv, n_hidden,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H) * inv_temp
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H)
+        if HAS_SOFTCAP:
+            x = apply_softcap(x, softcap, 1.0 / softcap)
+        x = x * inv_temp
         xt += tl.sum(tl.where(cols[None, :] == tgt[:, None], x, 0.0), 1)
         x = tl.where(col_ok[None, :], x, float("-inf"))
         m, s, t = online_lse_update(x, m, s, t, HAS_ENT)
@@ -122,8 +130,10 @@ def _cce_bwd_kernel(
     n_cols,  # V
     n_hidden,  # H
     inv_temp,  # 1/τ
+    softcap,  # soft cap (read when HAS_SOFTCAP)
     HAS_BIAS: tl.constexpr,  # the logits have a bias
     HAS_H: tl.constexpr,  # entropy term present
+    HAS_SOFTCAP: tl.constexpr,  # the forward capped the logits: dZ times 1 − tanh²(z/softcap)
     HAS_DH: tl.constexpr,  # write dH
     HAS_DW: tl.constexpr,  # write dW
     HAS_DB: tl.constexpr,  # write db
@@ -148,8 +158,12 @@ def _cce_bwd_kernel(
         lse = tl.load(lse_ptr + rows_c).to(tl.float32)
         tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
         x = _logits_tile(h_ptr, w_ptr, b_ptr, rows_c, cols_c, stride_hn, stride_wv, n_hidden,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H) * inv_temp
-        dz = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H)
+        if HAS_SOFTCAP:
+            c, dc = softcap_grad(x, softcap, 1.0 / softcap)
+            dz = grad_block(c * inv_temp, cols, lse, g, h, ent, tgt, HAS_H) * dc
+        else:
+            dz = grad_block(x * inv_temp, cols, lse, g, h, ent, tgt, HAS_H)
         dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
         if HAS_DB:
             tl.atomic_add(db_ptr + cols_c, tl.sum(dz, 0), mask=col_ok)
@@ -189,8 +203,9 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor):
         raise ValueError("hidden / weight: impl='cce' needs unit column strides (call .contiguous())")
 
 
-def cce_fwd(hidden, weight, bias, targets, temperature: float, need_entropy: bool):
-    """(logp, lse, entropy | None), each [N] fp32, of logits = hidden·weightᵀ + bias at τ."""
+def cce_fwd(hidden, weight, bias, targets, temperature: float, need_entropy: bool, softcap: Optional[float] = None):
+    """(logp, lse, entropy | None), each [N] fp32, of logits = hidden·weightᵀ + bias at τ (capped
+    to softcap·tanh(z/softcap) first when `softcap` is given)."""
     _check(hidden, weight)
     n, hdim = hidden.shape
     v = weight.shape[0]
@@ -200,17 +215,21 @@ def cce_fwd(hidden, weight, bias, targets, temperature: float, need_entropy: boo
     if n == 0:
         return logp, lse, (ent if need_entropy else None)
     bn, bv, bh, warps = _blocks(n, v, hdim, hidden.dtype)
+    has_cap, cap, _ = split_softcap(softcap)
     _cce_fwd_kernel[(triton.cdiv(n, bn),)](
         hidden, weight, bias if bias is not None else weight, targets.contiguous(), logp, lse, ent,
-        hidden.stride(0), weight.stride(0), n, v, hdim, split_inv_temp(temperature)[0],
-        HAS_BIAS=bias is not None, HAS_ENT=need_entropy, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, num_warps=warps)
+        hidden.stride(0), weight.stride(0), n, v, hdim, split_inv_temp(temperature)[0], cap,
+        HAS_BIAS=bias is not None, HAS_ENT=need_entropy, HAS_SOFTCAP=has_cap, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh,
+        num_warps=warps)
     return logp, lse, (ent if need_entropy else None)
 
 
 def cce_bwd(hidden, weight, bias, targets, lse, g, h: Optional[torch.Tensor], entropy: Optional[torch.Tensor],
-            temperature: float, dh: Optional[torch.Tensor], dw: Optional[torch.Tensor], db: Optional[torch.Tensor]):
+            temperature: float, dh: Optional[torch.Tensor], dw: Optional[torch.Tensor], db: Optional[torch.Tensor],
+            softcap: Optional[float] = None):
     """Accumulate ∂loss/∂hidden into `dh` [N, H] fp32, ∂loss/∂weight into `dw` [V, H] fp32 and
-    ∂loss/∂bias into `db` [V] fp32 (each None = not needed); nothing of size N×V is made."""
+    ∂loss/∂bias into `db` [V] fp32 (each None = not needed); nothing of size N×V is made.
+    `softcap`: the cap `cce_fwd` applied."""
     _check(hidden, weight)
     n, hdim = hidden.shape
     v = weight.shape[0]
@@ -221,12 +240,13 @@ def cce_bwd(hidden, weight, bias, targets, lse, g, h: Optional[torch.Tensor], en
             raise ValueError(f"{name}: expected a float32 accumulator with unit column stride")
     bn, bv, bh, warps = _blocks(n, v, hdim, hidden.dtype)
     has_h = h is not None
+    has_cap, cap, _ = split_softcap(softcap)
     dummy = lse
     _cce_bwd_kernel[(triton.cdiv(n, bn), triton.cdiv(v, bv))](
         hidden, weight, bias if bias is not None else weight, targets.contiguous(), lse.contiguous(), g.contiguous(),
         h.contiguous() if has_h else dummy, entropy.contiguous() if has_h else dummy,
         dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy,
         hidden.stride(0), weight.stride(0), dh.stride(0) if dh is not None else 0, dw.stride(0) if dw is not None else 0,
-        n, v, hdim, split_inv_temp(temperature)[0],
-        HAS_BIAS=bias is not None, HAS_H=has_h, HAS_DH=dh is not None, HAS_DW=dw is not None, HAS_DB=db is not None,
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, num_warps=warps)
+        n, v, hdim, split_inv_temp(temperature)[0], cap,
+        HAS_BIAS=bias is not None, HAS_H=has_h, HAS_SOFTCAP=has_cap, HAS_DH=dh is not None, HAS_DW=dw is not None,
+        HAS_DB=db is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, num_warps=warps)

@@ -12,8 +12,11 @@ Three phases, like Liger-Kernel's `triton_grpo_loss` but with the O(N) objective
 3. the backward kernel: one read, one write: ∂loss/∂z_j = g_t·(δ_{j,y_t} − p_j)/τ
    − h_t·p_j·(log p_j + H_t)/τ, into the logits buffer itself when `inplace_backward=True`.
 Departures from Liger: 2-D row tiles on a 1-D grid (no 65 535-row limit), every option as a
-runtime scalar or [N] vector (a new ε/β/τ never recompiles), and tiles whose rows all have
+runtime scalar or [N] vector (a new ε/β/τ/cap never recompiles), and tiles whose rows all have
 g = h = 0 (prompt / masked tokens) write zeros without reading the logits.
+Soft cap (`LossConfig.softcap`, Gemma 2/3): both kernels cap each loaded block themselves,
+c = cap·tanh(z/cap) (`HAS_SOFTCAP`), and the backward multiplies by ∂c/∂z = 1 − tanh²(z/cap), so
+the (in-place) gradient is w.r.t. the uncapped logits and no capped [N, V] copy is ever made.
 """
 from __future__ import annotations
 
@@ -26,8 +29,22 @@ import triton.language as tl
 from fastgrpo.kernels.contract import LogprobsBackend, LossConfig, LossOutput, check_cu_seqlens, differentiable_logprobs
 from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 from fastgrpo.kernels.cpu_stream import loss_from_logprobs
-from fastgrpo.kernels.triton._common import grad_block, grid_rows, load_scale, row_major_logits, row_tile, split_inv_temp
+from fastgrpo.kernels.triton._common import (
+    grad_block, grid_rows, load_cap, load_scale, row_major_logits, row_tile, softcap_grad, split_inv_temp,
+    split_softcap)
 from fastgrpo.kernels.triton._tune import TunedKernel
+
+
+@triton.jit
+def _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr):
+    """`grad_block` on raw logits x: with the cap, on c = cap·tanh(x/cap) and times ∂c/∂x."""
+    if HAS_SOFTCAP:
+        c, dc = softcap_grad(x, cap, inv_cap)
+        grad = grad_block(c * scale, cols, lse, g, h, ent, tgt, HAS_H) * dc
+    else:
+        grad = grad_block(x * scale, cols, lse, g, h, ent, tgt, HAS_H)
+    return grad
 
 
 @triton.jit
@@ -45,13 +62,17 @@ def _grpo_loss_bwd_kernel(
     n_cols,  # V
     inv_temp,  # 1/τ (fp32 part), runtime: a new temperature does not recompile
     inv_temp_lo,  # 1/τ − inv_temp, the fp32 remainder used by the fp64 path
+    softcap,  # soft cap (fp32 part), runtime: a new cap does not recompile; read when HAS_SOFTCAP
+    softcap_lo,  # softcap − its fp32 part, used by the fp64 path
     HAS_H: tl.constexpr,  # entropy term present (α ≠ 0)
+    HAS_SOFTCAP: tl.constexpr,  # the forward capped the logits: z ← softcap·tanh(z/softcap)
     FP64: tl.constexpr,  # compute in fp64 (fp64 logits)
     BLOCK_N: tl.constexpr,  # rows per program
     BLOCK_V: tl.constexpr,  # vocabulary columns per step
 ):
     acc_t = tl.float64 if FP64 else tl.float32
     scale = load_scale(inv_temp, inv_temp_lo, FP64)
+    cap, inv_cap = load_cap(softcap, softcap_lo, FP64)
     pid = tl.program_id(0)
     rows, row_ok, rows_c = row_tile(pid, n_rows, BLOCK_N)
     row_ptr = logits_ptr + rows_c * stride_n
@@ -74,14 +95,14 @@ def _grpo_loss_bwd_kernel(
     if active:
         for v0 in range(0, n_full, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t) * scale
-            grad = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+            x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t)
+            grad = _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=st_ok)
         if n_full < n_cols:
             cols = n_full + tl.arange(0, BLOCK_V)
             ok = st_ok & (cols < n_cols)[None, :]
-            x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t) * scale
-            grad = grad_block(x, cols, lse, g, h, ent, tgt, HAS_H)
+            x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t)
+            grad = _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=ok)
     else:
         # Masked-out rows (a_t = 0, e.g. prompt tokens): the gradient is exactly zero.
@@ -99,9 +120,11 @@ GRPO_LOSS_BWD = TunedKernel(_grpo_loss_bwd_kernel, "grpo_loss_bwd")
 
 def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
                   h: Optional[torch.Tensor], entropy: Optional[torch.Tensor], temperature: float,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Launcher: ∂loss/∂logits into `out` (pass `out=logits` for in place; default: a new
-    tensor shaped and typed like logits). `logits` must have unit column stride."""
+    tensor shaped and typed like logits). `logits` must have unit column stride. `softcap`: the
+    cap the forward applied (lse is then that of the capped logits); the gradient is w.r.t. the
+    uncapped logits."""
     n, v = logits.shape
     if out is None:
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -112,6 +135,7 @@ def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     h = h.contiguous() if has_h else g
     entropy = entropy.contiguous() if has_h else lse
     inv = split_inv_temp(temperature)
+    has_cap, *cap = split_softcap(softcap)
 
     def scratch(rows):
         # Tuning reads a slice of the logits and writes a fresh [rows, V] buffer, never `out`
@@ -119,11 +143,11 @@ def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
         ones = torch.ones(rows, dtype=g.dtype, device=g.device)
         tmp = torch.empty((rows, v), dtype=out.dtype, device=out.device)
         return (logits[:rows], tmp, targets[:rows], lse[:rows], ones, ones, entropy[:rows],
-                logits.stride(0), tmp.stride(0), rows, v, *inv)
+                logits.stride(0), tmp.stride(0), rows, v, *inv, *cap)
 
     GRPO_LOSS_BWD.launch(
-        grid_rows, (logits, out, targets, lse, g, h, entropy, logits.stride(0), out.stride(0), n, v, *inv),
-        dict(HAS_H=has_h, FP64=logits.dtype == torch.float64), n_rows=n, n_cols=v,
+        grid_rows, (logits, out, targets, lse, g, h, entropy, logits.stride(0), out.stride(0), n, v, *inv, *cap),
+        dict(HAS_H=has_h, HAS_SOFTCAP=has_cap, FP64=logits.dtype == torch.float64), n_rows=n, n_cols=v,
         strides=(logits.stride(0), out.stride(0)), row_bytes=v * logits.element_size(), scratch=scratch)
     return out
 
@@ -132,11 +156,12 @@ TRITON_BACKEND = LogprobsBackend(stats=token_logprobs_fwd, grad=grpo_loss_bwd)
 
 
 def token_logprobs_triton_grad(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                               return_entropy: bool = False, inplace_backward: bool = False):
+                               return_entropy: bool = False, inplace_backward: bool = False,
+                               softcap: Optional[float] = None):
     """Differentiable (logp, entropy | None), [N] fp32 (fp64 for fp64 logits)."""
     # the backward kernel needs a unit column stride: a strided view is copied once, on the graph
     return differentiable_logprobs(TRITON_BACKEND, row_major_logits(logits), targets, temperature,
-                                   return_entropy, inplace_backward)
+                                   return_entropy, inplace_backward, softcap)
 
 
 def grpo_loss_triton(logits: torch.Tensor, targets: torch.Tensor, advantages: torch.Tensor, *,
@@ -156,7 +181,8 @@ def grpo_loss_triton(logits: torch.Tensor, targets: torch.Tensor, advantages: to
     config = config or LossConfig()
     cu = check_cu_seqlens(cu_seqlens, logits.shape[0])
     need_ent = return_entropy or config.entropy_coef != 0.0
-    logp, ent = token_logprobs_triton_grad(logits, targets, config.temperature, need_ent, inplace_backward)
+    logp, ent = token_logprobs_triton_grad(logits, targets, config.temperature, need_ent, inplace_backward,
+                                           config.softcap)
     return loss_from_logprobs(logp, ent, logits.shape[0], logits.device, advantages, mask=mask,
                               old_logp=old_logp, ref_logp=ref_logp, weights=weights, cu_seqlens=cu,
                               config=config, num_items=num_items, return_entropy=need_ent)

@@ -192,6 +192,12 @@ LOSS_CASES = [
                                    dual_clip_c=2.5, entropy_coef=0.02, loss_agg="seq-mean-token-mean",
                                    temperature=0.9), {"old_logp", "ref_logp", "weights"}),
     ("num-items-onpolicy", LossConfig(), {"num_items"}),
+    # Gemma 2's final-logit soft cap; a cap of 3–5 against logits of std 2 bends most of them
+    ("softcap", LossConfig(softcap=5.0, eps_high=0.28), {"old_logp"}),
+    ("softcap-kl-entropy-tau", LossConfig(softcap=3.0, beta=0.05, entropy_coef=0.01, temperature=0.7,
+                                          loss_agg="seq-mean-token-mean"), {"old_logp", "ref_logp", "weights"}),
+    ("softcap-gspo", LossConfig(softcap=4.0, ratio_level="sequence", eps_low=3e-4, eps_high=4e-4,
+                                entropy_coef=-0.02), {"old_logp"}),
 ]
 
 
@@ -264,15 +270,19 @@ def fused_linear_runner(fn, batch, dtype, config, with_bias: bool, uses=ALL_INPU
     return run
 
 
-def logprobs_runner(fn, logits, targets, temperature: float = 1.0, grad_weights=None):
-    """check_vs_oracle's `run` for `fn(logits, targets, temperature, True) -> (logp, entropy)`;
-    with `grad_weights` (w_logp, w_entropy) [N] also d_logits of Σ w_logp·logp + Σ w_entropy·entropy."""
+def logprobs_runner(fn, logits, targets, temperature: float = 1.0, grad_weights=None, softcap=None):
+    """check_vs_oracle's `run` for `fn(logits, targets, temperature, True) -> (logp, entropy)`
+    (`fn(…, softcap=softcap)` when a soft cap is given); with `grad_weights` (w_logp, w_entropy)
+    [N] also d_logits of Σ w_logp·logp + Σ w_entropy·entropy."""
+    cap_kw = {} if softcap is None else {"softcap": softcap}
+
     def run(mode):
         leaf = (logits.double() if mode == TRUTH else logits).clone().requires_grad_(grad_weights is not None)
         if mode == BACKEND:
-            logp, ent = fn(leaf, targets, temperature, True)
+            logp, ent = fn(leaf, targets, temperature, True, **cap_kw)
         else:
-            logp, ent = token_logprobs_reference(leaf.to(compute_dtype(leaf.dtype)), targets, temperature, True)
+            logp, ent = token_logprobs_reference(leaf.to(compute_dtype(leaf.dtype)), targets, temperature, True,
+                                                 softcap)
         res = dict(logp=logp, entropy=ent)
         if grad_weights is not None:
             w1, w2 = (w.to(logp.dtype) for w in grad_weights)

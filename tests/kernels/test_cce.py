@@ -17,6 +17,8 @@ CONFIGS = {
     "sequence-all": LossConfig(ratio_level="sequence", beta=0.05, entropy_coef=-0.02,
                                loss_agg="seq-mean-token-sum-norm", max_len=32),
     "token-plain": LossConfig(),
+    "softcap": LossConfig(softcap=4.0, beta=0.05, entropy_coef=0.01, temperature=0.9),  # Gemma 2's head cap
+    "softcap-sequence": LossConfig(softcap=2.5, ratio_level="sequence", loss_agg="seq-mean-token-mean"),
 }
 USES = {"old_logp", "ref_logp", "weights"}
 

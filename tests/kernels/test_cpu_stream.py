@@ -29,6 +29,12 @@ CONFIGS = {
                              max_len=50),
     "gspo-all": LossConfig(ratio_level="sequence", beta=0.1, kl="k2", kl_ratio_correction=True,
                            entropy_coef=0.05, loss_agg="token-mean"),
+    # Gemma 2's final-logit soft cap (logits of std 2 against caps of 3–5: the tanh bends them)
+    "softcap": LossConfig(softcap=5.0, eps_high=0.28, delta=1.5),
+    "softcap-all": LossConfig(softcap=3.0, temperature=0.7, beta=0.05, kl="k3", entropy_coef=0.02,
+                              loss_agg="seq-mean-token-sum"),
+    "softcap-gspo": LossConfig(softcap=4.0, ratio_level="sequence", beta=0.1, entropy_coef=-0.03,
+                               loss_agg="seq-mean-token-mean"),
 }
 
 CPU = torch.device("cpu")
@@ -67,6 +73,7 @@ def test_odd_sizes(n, v):
     for impl in ("torch", "two-pass"):
         check(impl, b, CONFIGS["drgrpo-all"])
         check(impl, b, CONFIGS["clip-higher+delta"], uses={"old_logp", "ref_logp"})
+        check(impl, b, CONFIGS["softcap-all"])
 
 
 def test_single_pass_backward_twice_is_a_clear_error():
@@ -99,10 +106,11 @@ def test_fully_masked_and_empty():
     assert all(torch.isfinite(v) for k, v in out.items() if k.startswith("metric"))
 
 
+@pytest.mark.parametrize("cfg_name", ["entropy-tau", "softcap-all"])
 @pytest.mark.parametrize("single_pass", [True, False])
-def test_inplace_backward_writes_gradient_into_logits(single_pass):
+def test_inplace_backward_writes_gradient_into_logits(single_pass, cfg_name):
     b = make_batch(40, 300, seed=7, device=CPU)
-    cfg = CONFIGS["entropy-tau"]
+    cfg = CONFIGS[cfg_name]
     truth = loss_runner(grpo_loss_reference, b, torch.float64, cfg)(TRUTH)["d_logits"]
     base = b["logits"].clone().requires_grad_(True)
     logits = base * 1.0  # non-leaf: the MulBackward node saves nothing, so the buffer may be reused
@@ -123,25 +131,28 @@ def test_low_precision_inputs(dtype, monkeypatch):
     for impl in ("torch", "two-pass"):
         for inplace in (False, True):
             check(impl, b, CONFIGS["drgrpo-all"], dtype, inplace=inplace)
+            check(impl, b, CONFIGS["softcap-all"], dtype, inplace=inplace)
 
 
-@pytest.mark.parametrize("tau", [1.0, 0.6])
-def test_token_logprobs_and_entropy_gradient(tau, monkeypatch):
+@pytest.mark.parametrize("tau,softcap", [(1.0, None), (0.6, None), (0.8, 3.0)])
+def test_token_logprobs_and_entropy_gradient(tau, softcap, monkeypatch):
     monkeypatch.setenv("FASTGRPO_VOCAB_CHUNK", "7")
     b = make_batch(20, 31, seed=13, device=CPU)
     g = torch.Generator().manual_seed(13)
     w = (torch.randn(20, generator=g, dtype=torch.float64), torch.randn(20, generator=g, dtype=torch.float64))
     torch_impl = functools.partial(token_logprobs, impl="torch")
-    check_vs_oracle(logprobs_runner(torch_impl, b["logits"], b["targets"], tau, grad_weights=w), torch.float64)
+    check_vs_oracle(logprobs_runner(torch_impl, b["logits"], b["targets"], tau, grad_weights=w, softcap=softcap),
+                    torch.float64)
     with torch.no_grad():
         logp, ent = token_logprobs(b["logits"], b["targets"], temperature=tau, impl="torch")
     assert ent is None and logp.shape == (20,) and not logp.requires_grad
 
 
+@pytest.mark.parametrize("name", ["gspo-all", "softcap-all", "softcap-gspo"])
 @pytest.mark.parametrize("with_bias,chunk", [(False, None), (True, 3)])
-def test_fused_linear_matches_reference(with_bias, chunk):
+def test_fused_linear_matches_reference(with_bias, chunk, name):
     b = make_linear(13, 8, 29, seed=17, device=CPU)
-    check_fused_linear(fused_linear_grpo_loss, b, torch.float64, CONFIGS["gspo-all"], with_bias, chunk_size=chunk,
+    check_fused_linear(fused_linear_grpo_loss, b, torch.float64, CONFIGS[name], with_bias, chunk_size=chunk,
                        impl="torch")
 
 
@@ -186,3 +197,32 @@ def test_inplace_backward_never_overwrites_a_leaf(ratio_level):
     xr = before.clone().requires_grad_()
     grpo_loss_reference(xr, y, a, config=cfg).loss.backward()
     check_vs_truth("d_logits", x.grad, None, xr.grad, torch.float64, gradient=True)
+
+
+def test_softcap_config_and_facade_checks():
+    """softcap None / 0 is off (one spelling), a positive cap is kept as a float, anything else is
+    refused naming the field; the facade's token_logprobs validates it the same way."""
+    assert LossConfig(softcap=0).softcap is None and LossConfig(softcap=0) == LossConfig()
+    assert LossConfig(softcap=30).softcap == 30.0
+    for bad in (-1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="LossConfig.softcap="):
+            LossConfig(softcap=bad)
+    b = make_batch(6, 11, seed=2, device=CPU)
+    with pytest.raises(ValueError, match="LossConfig.softcap=-2"):
+        token_logprobs(b["logits"], b["targets"], softcap=-2.0, impl="torch")
+    off, _ = token_logprobs(b["logits"], b["targets"], softcap=0, impl="torch")
+    assert torch.equal(off, token_logprobs(b["logits"], b["targets"], impl="torch")[0])
+
+
+def test_softcap_float32_matches_the_models_own_capped_logits_bit_for_bit():
+    """The CPU path caps in transformers' op order (divide, tanh, multiply) in float32: its
+    log-probs of raw logits equal those of the same path on logits capped by the model's head,
+    and a cap changes the result (logits of std 2 against a cap of 3)."""
+    b = make_batch(64, 300, seed=4, device=CPU, dtype=torch.float32)
+    z, y = b["logits"], b["targets"]
+    capped_by_model = torch.tanh(z / 3.0) * 3.0  # Gemma2ForCausalLM.forward's three ops
+    for tau in (1.0, 0.7):
+        mine, _ = token_logprobs(z, y, tau, softcap=3.0, impl="torch")
+        theirs, _ = token_logprobs(capped_by_model, y, tau, impl="torch")
+        assert torch.equal(mine, theirs)
+        assert float((mine - token_logprobs(z, y, tau, impl="torch")[0]).abs().max()) > 1e-2

@@ -60,6 +60,17 @@ def test_inplace_backward_overwrites_logits_with_the_same_gradient(dtype):
     run_case(dtype, cfg, {"old_logp", "ref_logp"}, (37, 301, [20, 17]), seed=3, inplace=True)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"N{s[0]}-V{s[1]}" for s in SHAPES])
+def test_softcap_odd_shapes_fp64_fp16_and_in_place(shape):
+    """The soft cap on every shape in fp64 (oracle-grade: the cap passes as an fp32 pair), fp16,
+    and in place in bf16: the gradient written into the logits is w.r.t. the uncapped logits."""
+    cfg = LossConfig(softcap=3.0, beta=0.05, entropy_coef=0.01, eps_high=0.28, temperature=0.7)
+    uses = {"old_logp", "ref_logp", "weights"}
+    run_case(torch.float64, cfg, uses, shape, seed=21)
+    run_case(torch.float16, cfg, uses, shape, seed=22)
+    run_case(torch.bfloat16, cfg, uses, shape, seed=23, inplace=True)
+
+
 def test_strided_logits_row_stride_and_transposed_view():
     b = make_batch(29, 211, [29], seed=4)
     cfg = LossConfig(entropy_coef=0.02)
@@ -184,11 +195,15 @@ def test_runtime_scalars_are_not_constexpr_and_gpu_pruning_keeps_valid_configs(m
 
     from fastgrpo.kernels.triton.grpo_loss import _grpo_loss_bwd_kernel
 
-    for kernel in (_token_logprobs_fwd_kernel, _grpo_loss_bwd_kernel):
+    from fastgrpo.kernels.triton.fused_linear import _cce_bwd_kernel, _cce_fwd_kernel
+
+    runtime = {"inv_temp", "inv_temp_lo", "softcap", "softcap_lo"}  # a new τ or soft cap must not recompile
+    for kernel in (_token_logprobs_fwd_kernel, _grpo_loss_bwd_kernel, _cce_fwd_kernel, _cce_bwd_kernel):
         params = inspect.signature(kernel.fn).parameters  # JIT/InterpretedFunction → def
         constexpr = {k for k, p in params.items() if "constexpr" in str(p.annotation)}
-        assert {"inv_temp", "inv_temp_lo"} <= set(params) and not {"inv_temp", "inv_temp_lo"} & constexpr
-        assert {"BLOCK_N", "BLOCK_V"} <= constexpr
+        want = runtime if "cce" not in kernel.fn.__name__ else {"inv_temp", "softcap"}
+        assert want <= set(params) and not want & constexpr, kernel.fn.__name__
+        assert {"BLOCK_N", "BLOCK_V", "HAS_SOFTCAP"} <= constexpr
     # The GPU path of the config pruning (not reached under the interpreter).
     from fastgrpo.kernels.triton import _tune
 

@@ -25,6 +25,23 @@ def test_logprobs_and_entropy_vs_oracle(shape, dtype):
         assert none is None and torch.equal(logp_only, out["logp"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (123, 507), (5, 4099)], ids=lambda s: f"N{s[0]}-V{s[1]}")
+def test_softcapped_logprobs_and_entropy_vs_oracle(shape, dtype):
+    # Gemma 2's head cap: logits of std 4 (offset 3) against caps of 5 and 30 (mild and strong bends);
+    # V = 4099 has a masked tail block whose −inf padding the cap must not turn into −cap
+    n, v = shape
+    b = make_batch(n, v, seed=n * 7 + v, dtype=dtype, scale=4.0, shift=3.0)
+    x, y = b["logits"], b["targets"]
+    for cap, tau in ((5.0, 1.0), (30.0, 0.7)):
+        out = check_vs_oracle(logprobs_runner(token_logprobs_triton, x, y, tau, softcap=cap), dtype)
+        uncapped, _ = token_logprobs_triton(x, y, tau)
+        if v > 1:  # the cap changes the distribution (V = 1: logp = 0 either way)
+            assert float((out["logp"] - uncapped).abs().max()) > 1e-3
+        facade, _ = api.token_logprobs(x, y, tau, impl="triton", softcap=cap)
+        assert torch.equal(facade, out["logp"])
+
+
 def test_lse_is_returned_and_rows_stay_independent_of_tiling():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(70, 3001, generator=g).to(DEV)

@@ -131,7 +131,7 @@ def test_a_config_that_fails_to_compile_falls_back_to_the_next_with_a_warning(gp
     cands = _tune.candidates(_tune.configs_for(_tune.SM90, 4), 4096, "a")  # fp32 logits
     logits = torch.randn(8, 4096)
     tgt = torch.randint(0, 4096, (8,))
-    _tune._disk_put(tk.key((logits, tgt, torch.empty(0), torch.empty(0), torch.empty(0)), {"HAS_ENT": False, "FP64": False},
+    _tune._disk_put(tk.key((logits, tgt, torch.empty(0), torch.empty(0), torch.empty(0)), {"HAS_ENT": False, "HAS_SOFTCAP": False, "FP64": False},
                            8, 4096, "a"), cands[0])  # a cached choice that will not compile
     tk.kernel.fail = {cands[0]}
     with warnings.catch_warnings(record=True) as caught:
