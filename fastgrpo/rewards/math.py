@@ -168,7 +168,8 @@ def verify_one(pred: str, gold: str, percent_as_fraction: bool = False, soft_tim
         for p in pred_norm:
             if _sympy_equal(g, p):
                 return 1.0, None
-    return 0.0, (R.WRONG if pred_forms else R.UNPARSABLE)
+    # a bare string fallback (no SymPy object) means the prediction did not read as mathematics
+    return 0.0, (R.WRONG if any(len(p) >= 2 for p in pred_forms) else R.UNPARSABLE)
 
 
 def gold_ok(gold: str, percent_as_fraction: bool = False, soft_timeout: int = 3) -> bool:
@@ -210,7 +211,7 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: 
                 pool: Optional[RewardPool] = None, answer_tag: str = "answer", last_number_fallback: bool = True,
                 percent_as_fraction: bool = False, max_answer_chars: Optional[int] = 1000,
                 example_ids: Optional[Sequence] = None, return_reasons: bool = False,
-                extract: Optional[Callable[[str], Optional[str]]] = None):
+                extract: Optional[Callable[[str], Optional[str]]] = None, judge: Optional[Callable] = None):
     """1.0 when the completion's final answer is equivalent to the gold answer, else 0.0; None
     when the gold answer cannot be parsed (a data error, logged once, that the trainer skips).
 
@@ -227,6 +228,9 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: 
         return_reasons: return (scores, reasons) instead of scores.
         extract: the task's own answer extractor `extract(text) -> answer or None`, used instead
             of `extract_answer(text, answer_tag, last_number_fallback)` (fastgrpo.tasks.math).
+        judge: `judge(indices, answers, golds) -> [1.0 | 0.0 | None]`, asked only about the items
+            whose extracted answer did not parse (reason `unparsable`); a 1.0 makes the item
+            correct (reason `judged`), anything else leaves it 0 (fastgrpo.rewards.judge).
     """
     if len(completions) != len(answers):
         raise ValueError(f"answers: expected one per completion ({len(completions)}), got {len(answers)}")
@@ -268,4 +272,9 @@ def math_reward(completions: Sequence[str], answers: Sequence[str], *, timeout: 
         scores[i], why[i] = res.value
         if why[i] == R.GOLD_UNPARSABLE:
             R.report_data_error("math gold", repr(gold)[:200], f"example {name}: gold answer {gold!r} does not parse")
+    asked = [(i, job[0], job[1]) for job, (i, _, _) in zip(jobs, where) if why[i] == R.UNPARSABLE]
+    if judge is not None and asked:  # a learned equivalence check where the symbolic one could not read the answer
+        for (i, _, _), verdict in zip(asked, judge(*map(list, zip(*asked)))):
+            if verdict == 1.0:
+                scores[i], why[i] = 1.0, R.JUDGED
     return (scores, why) if return_reasons else scores

@@ -18,6 +18,7 @@ ANSWER_TOO_LONG = "answer_too_long"  # extracted answer longer than max_answer_c
 UNPARSABLE = "unparsable"  # the prediction did not parse as mathematics
 WRONG = "wrong"  # parsed, not equivalent to the gold answer
 GOLD_UNPARSABLE = "gold_unparsable"  # data error: the score is None
+JUDGED = "judged"  # unparsable, scored 1 by the accuracy judge (fastgrpo.rewards.judge)
 # code
 NO_CODE = "no_code"
 TESTS_FAILED = "tests_failed"
