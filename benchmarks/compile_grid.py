@@ -57,6 +57,7 @@ class Build:
     num_stages: int = 1
     targets: str = "i64"
     block_h: int = 0  # cce kernels: hidden columns per dot step
+    softcap: bool = False  # HAS_SOFTCAP (Gemma 2's final-logit cap: a tanh per element, more registers)
 
 
 def _spec(b: Build):
@@ -74,15 +75,16 @@ def _spec(b: Build):
         fn = _token_logprobs_fwd_kernel
         sig = {"logits_ptr": f"*{t}", "targets_ptr": f"*{b.targets}", "logp_ptr": f"*{acc}", "lse_ptr": f"*{acc}",
                "ent_ptr": f"*{acc}", "stride_n": "i32", "n_rows": "i32", "n_cols": "i32",
-               "inv_temp": "fp32", "inv_temp_lo": "fp32"}
-        consts = {"HAS_ENT": b.flag}
+               "inv_temp": "fp32", "inv_temp_lo": "fp32", "softcap": "fp32", "softcap_lo": "fp32"}
+        consts = {"HAS_ENT": b.flag, "HAS_SOFTCAP": b.softcap}
         div = list(range(5)) + ([5] if stride_ok else []) + [6] + ([7] if cols_ok else [])
     else:
         fn = _grpo_loss_bwd_kernel
         sig = {"logits_ptr": f"*{t}", "grad_ptr": f"*{t}", "targets_ptr": f"*{b.targets}", "lse_ptr": f"*{acc}",
                "g_ptr": f"*{acc}", "h_ptr": f"*{acc}", "ent_ptr": f"*{acc}", "stride_n": "i32", "stride_gn": "i32",
-               "n_rows": "i32", "n_cols": "i32", "inv_temp": "fp32", "inv_temp_lo": "fp32"}
-        consts = {"HAS_H": b.flag}
+               "n_rows": "i32", "n_cols": "i32", "inv_temp": "fp32", "inv_temp_lo": "fp32", "softcap": "fp32",
+               "softcap_lo": "fp32"}
+        consts = {"HAS_H": b.flag, "HAS_SOFTCAP": b.softcap}
         div = list(range(7)) + ([7, 8] if stride_ok else []) + [9] + ([10] if cols_ok else [])
     consts.update(FP64=b.dtype == "fp64", BLOCK_N=b.block_n, BLOCK_V=b.block_v)
     for k in consts:
@@ -101,17 +103,19 @@ def _cce_spec(b: Build, t: str):
         ptrs = ["h_ptr", "w_ptr", "b_ptr", "targets_ptr", "logp_ptr", "lse_ptr", "ent_ptr"]
         types = [f"*{t}"] * 3 + [f"*{b.targets}"] + ["*fp32"] * 3
         ints = ["stride_hn", "stride_wv", "n_rows", "n_cols", "n_hidden"]
-        consts = {"HAS_BIAS": True, "HAS_ENT": b.flag}
+        consts = {"HAS_BIAS": True, "HAS_ENT": b.flag, "HAS_SOFTCAP": b.softcap}
     else:
         fn = _cce_bwd_kernel
         ptrs = ["h_ptr", "w_ptr", "b_ptr", "targets_ptr", "lse_ptr", "g_ptr", "hh_ptr", "ent_ptr", "dh_ptr", "dw_ptr",
                 "db_ptr"]
         types = [f"*{t}"] * 3 + [f"*{b.targets}"] + ["*fp32"] * 7
         ints = ["stride_hn", "stride_wv", "stride_dhn", "stride_dwv", "n_rows", "n_cols", "n_hidden"]
-        consts = {"HAS_BIAS": True, "HAS_H": b.flag, "HAS_DH": True, "HAS_DW": True, "HAS_DB": True}
+        consts = {"HAS_BIAS": True, "HAS_H": b.flag, "HAS_SOFTCAP": b.softcap, "HAS_DH": True, "HAS_DW": True,
+                  "HAS_DB": True}
     sig = dict(zip(ptrs, types))
     sig.update({k: "i32" for k in ints})
     sig["inv_temp"] = "fp32"
+    sig["softcap"] = "fp32"
     consts.update(BLOCK_N=b.block_n, BLOCK_V=b.block_v, BLOCK_H=b.block_h)
     for k in consts:
         sig[k] = "constexpr"
@@ -195,36 +199,46 @@ def grid(ci: bool = False, stages: bool = False) -> list:
     builds = []
     for arch, table in sets.items():
         for dtype, (_, elem) in _T.items():
-            cfgs = _tune.configs_for(table, elem)  # the table the launchers use for this dtype
-            unaligned = set(_tune.candidates(cfgs, 1 << 17, "u"))
-            for c in cfgs:
-                for kernel in ("fwd", "bwd"):
-                    for flag in (False, True):
+            for kernel in ("fwd", "bwd"):
+                for flag, cap in ((False, False), (True, False), (True, True)):
+                    # the table the launchers use for this dtype (the capped backward: as for fp32)
+                    heavy = cap and kernel == "bwd"
+                    cfgs = _tune.configs_for(table, max(elem, _tune.HEAVY_MIN_ELEM_BYTES) if heavy else elem)
+                    unaligned = set(_tune.candidates(cfgs, 1 << 17, "u"))
+                    for c in cfgs:
                         for layout in "atu":
                             if layout == "u" and c not in unaligned:
                                 continue  # never picked for unaligned rows
                             builds.append(Build(kernel, arch, dtype, flag, layout, c.block_n, c.block_v,
-                                                c.num_warps, c.num_stages))
+                                                c.num_warps, c.num_stages, softcap=cap))
     for arch in sets:
         for kernel in ("cce_fwd", "cce_bwd"):
             for dtype in ("bf16", "fp16", "fp32"):
                 bn, bv, bh, w = _cce_blocks(dtype)
-                for flag in (False, True):
+                for flag, cap in ((False, False), (True, False), (True, True)):
                     for layout in "at":
-                        builds.append(Build(kernel, arch, dtype, flag, layout, bn, bv, w, block_h=bh))
+                        builds.append(Build(kernel, arch, dtype, flag, layout, bn, bv, w, block_h=bh, softcap=cap))
     if stages:
         builds += [dataclasses.replace(b, num_stages=2) for b in builds  # the logits kernels (cce uses tl.dot)
-                   if b.arch == 90 and b.dtype == "bf16" and b.layout == "a" and b.flag and b.kernel in ("fwd", "bwd")]
+                   if b.arch == 90 and b.dtype == "bf16" and b.layout == "a" and b.flag and not b.softcap
+                   and b.kernel in ("fwd", "bwd")]
     if ci:
         # Representative (~25 builds, ~25 s cold on 2 cores): every Hopper config's backward (the
         # register-heavy kernel) in bf16 with HAS_H; the two extreme tiles for the forward, the
         # odd-V layout, fp32 / fp16 and the unaligned layout; fp64, the fallback set's 64-row tile,
-        # int32 targets once each.
+        # int32 targets once each. HAS_SOFTCAP (a tanh and its derivative per element: the most
+        # registers) on every Hopper backward config in bf16, the fp32 extremes and the cce kernels.
         extreme = {(1, 8192, 16), (64, 128, 8), (64, 128, 16)}
         keep = []
         for b in builds:
             cfg = (b.block_n, b.block_v, b.num_warps)
             if b.num_stages != 1 or not b.flag:
+                continue
+            if b.softcap:
+                if b.arch == 90 and b.layout == "a" and (
+                        (b.kernel == "bwd" and b.dtype == "bf16") or (cfg in extreme and b.dtype == "fp32")
+                        or (b.kernel.startswith("cce") and b.dtype in ("bf16", "fp32"))):
+                    keep.append(b)
                 continue
             if b.arch == 90 and b.kernel == "bwd" and b.dtype == "bf16" and b.layout == "a":
                 keep.append(b)
@@ -277,12 +291,13 @@ def stage_duplicates(results) -> list:
 
 
 def table(results) -> str:
-    head = "| kernel | sm | dtype | flag | layout | BN×BV/warps/stages | regs | spill B | smem B | LDG.128 (need) | narrow LDG | warps/SM | s | check |"
-    lines = [head, "|" + "---|" * 14]
+    head = "| kernel | sm | dtype | flag | cap | layout | BN×BV/warps/stages | regs | spill B | smem B | LDG.128 (need) | narrow LDG | warps/SM | s | check |"
+    lines = [head, "|" + "---|" * 15]
     for r in results:
         bad = failures(r)
         bh = f"×{r['block_h']}" if r.get("block_h") else ""
-        lines.append(f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {int(r['flag'])} | {r['layout']} | "
+        lines.append(f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {int(r['flag'])} | {int(r.get('softcap', 0))} | "
+                     f"{r['layout']} | "
                      f"{r['block_n']}×{r['block_v']}{bh}/{r['num_warps']}/{r['num_stages']} | {r['regs']} | {r['spill']} | "
                      f"{r['shared']} | {r['ldg128']} ({r['need128']}) | {r['ldg_narrow']} | {r['warps_per_sm']} | "
                      f"{r['seconds']} | {'ok' if not bad else '; '.join(bad)} |")

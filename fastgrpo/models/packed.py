@@ -19,7 +19,10 @@ sequence, and attention must not cross sequence boundaries:
   on transformers' own packed-sequence detection (`masking_utils.find_packed_sequence_indices`:
   a position that does not follow its predecessor by 1 starts a sequence), which builds a T×T
   block-diagonal causal mask; that detection is skipped whenever a KV cache exists, hence
-  `use_cache=False` on every call here. Departure from flash-attn: "varlen" does not do sliding windows (ValueError).
+  `use_cache=False` on every call here. Departure from flash-attn: "varlen" runs a sliding window
+  only where it covers every packed sequence (then it masks nothing; else a ValueError naming the
+  model type). Attention-score soft-capping (Gemma 2's `attn_logit_softcapping`, which SDPA cannot
+  do) takes the baddbmm path for every bucket, capped as transformers' eager attention does.
 
 float32 CPU models built by `build_model` run their linears on oneDNN (`fastgrpo.models.onednn`), which
 compiles one kernel per row count: their packed row is padded to the next count on a short ladder
@@ -216,12 +219,17 @@ _MATH_MAX_KEYS = 256
 _CAUSAL_BIAS: dict = {}
 
 
-def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = None):
+def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                            dropout: float = 0.0):
     """Causal attention as baddbmm (scale + causal bias + QK^T) → softmax → bmm, for short
     sequences. q [n, Hq, Lq, D], k / v [n, Hkv, Lk, D] (any strides) → [n, Hq, Lq, D]. The query
     heads sharing a KV head are the rows of one matrix, so GQA repeats nothing. `bias`: an
     additive mask [n·Hkv, g·Lq, Lk] (default: causal, Lq = Lk). float32 only: the scores are
-    rounded to the input dtype (the caller sends half-precision models to SDPA)."""
+    rounded to the input dtype (the caller sends half-precision models to SDPA). `softcap`:
+    scores ← cap·tanh(scores/cap) before the mask (Gemma 2), for any length and dtype (half
+    precision is upcast to float32 for it)."""
+    if softcap is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return _short_causal_attention(q.float(), k.float(), v.float(), scaling, bias, softcap, dropout).to(q.dtype)
     n, hq, L, d = q.shape
     hk, Lk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -234,8 +242,34 @@ def _short_causal_attention(q, k, v, scaling, bias: Optional[torch.Tensor] = Non
     scale = scaling if scaling is not None else d ** -0.5
     qq = q.reshape(n * hk, g * L, d)
     kk, vv = k.reshape(n * hk, Lk, d), v.reshape(n * hk, Lk, d)
-    att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale).softmax(-1)
+    if softcap is None:
+        att = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale).softmax(-1)
+    else:  # transformers' eager order: scale, /cap, tanh, ·cap, then the mask
+        att = (torch.tanh(torch.bmm(qq, kk.transpose(1, 2)) * scale / softcap) * softcap + bias).softmax(-1)
+    if dropout:
+        att = F.dropout(att, dropout)
     return torch.bmm(att, vv).view(n, hq, L, d)
+
+
+def _capped_attention(query, key, value, attention_mask, scaling, softcap: float, dropout: float):
+    """Unpacked attention (e.g. `generate`) with score soft-capping, which SDPA cannot do: scores
+    capped, then the mask SDPA would get (bool keep-mask, additive, or None = causal), as
+    transformers' eager attention. query [B, Hq, Lq, D], key / value [B, Hkv, Lk, D] → [B, Lq, Hq, D]."""
+    g = query.shape[1] // key.shape[1]
+    k, v = (x.repeat_interleave(g, dim=1) if g > 1 else x for x in (key, value))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    s = torch.matmul(query, k.transpose(2, 3))
+    s = torch.tanh(s.to(torch.promote_types(s.dtype, torch.float32)) * scale / softcap) * softcap
+    lq, lk = s.shape[-2:]
+    if attention_mask is None:  # causal, queries at the last Lq key positions
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril_(lk - lq)
+        s = s.masked_fill(~keep, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        s = s.masked_fill(~attention_mask, float("-inf"))
+    else:
+        s = s + attention_mask
+    p = F.dropout(s.softmax(-1), dropout) if dropout else s.softmax(-1)
+    return torch.matmul(p.to(v.dtype), v).transpose(1, 2).contiguous()
 
 
 def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -244,14 +278,15 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
     length batched into one padded call, see `_VarlenPlan`), else transformers' SDPA.
     query [1, Hq, T, D], key/value [1, Hkv, T, D]; returns ([1, T, Hq, D], None)."""
     cu = kwargs.get("cu_seq_lens_q")
+    softcap = kwargs.pop("softcap", None)  # Gemma 2's attn_logit_softcapping
+    p = dropout if module.training else 0.0
     if cu is None:
+        if softcap is not None:  # SDPA would drop the cap (the mask carries any sliding window)
+            return _capped_attention(query, key, value, attention_mask, scaling, softcap, p), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, sliding_window=sliding_window, **kwargs)
-    if sliding_window is not None:
-        raise ValueError(f"sliding_window={sliding_window}: the CPU varlen attention does not "
-                         "implement sliding windows; use packed_forward(..., attn='mask')")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
     _, hq, T, d = query.shape
@@ -261,7 +296,13 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
                          f"({kwargs.get(PAD_KWARG, 0)} of them ladder padding): they must agree")
     if not plan.buckets:
         return query.new_zeros(1, T, hq, d), None
-    p = dropout if module.training else 0.0
+    longest = max(b[4] for b in plan.buckets)  # keys of the longest segment (its prefix included)
+    if sliding_window is not None and longest > sliding_window:
+        kind = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise ValueError(f"sliding_window={sliding_window}: this {kind} model's sliding-window layers would mask "
+                         f"part of a {longest}-token packed sequence, which the CPU varlen attention does not "
+                         "implement (it runs windows that cover every sequence); use shorter sequences or "
+                         "packed_forward(..., attn='mask')")
     hk = key.shape[1]
     gqa = hq != hk
     # token-major [T, H, D] views (the projections' own layout in HF models): gathering whole
@@ -276,7 +317,10 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=No
         # baddbmm rounds the scores to the input dtype before the softmax, SDPA keeps them in
         # float32: half-precision models stay on SDPA
         math_ok = p == 0.0 and query.device.type == "cpu" and query.dtype == torch.float32
-        if keep is None and Lq <= _MATH_MAX_LEN and math_ok:
+        if softcap is not None:  # SDPA cannot cap the scores: the baddbmm path at every length
+            bias = None if keep is None else plan.bias(b, torch.float32, hq // hk, hk)
+            o = _short_causal_attention(qb, kb, vb, scaling, bias, softcap, p)
+        elif keep is None and Lq <= _MATH_MAX_LEN and math_ok:
             o = _short_causal_attention(qb, kb, vb, scaling)
         elif keep is None:
             o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=True, scale=scaling,
@@ -423,12 +467,20 @@ def packed_forward(model, batch: PackedBatch, attn: str = "auto") -> torch.Tenso
     return h[batch.logit_index.to(h.device)]
 
 
-def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def head_softcap(model) -> Optional[float]:
+    """Gemma 2/3's `final_logit_softcapping` of `model` (None when absent or 0): the cap the loss
+    kernels apply themselves (`LossConfig.softcap`) to `lm_head_logits(..., softcap=False)`."""
+    cap = getattr(_unwrap(model).config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def lm_head_logits(model, hidden: torch.Tensor, softcap: bool = True) -> torch.Tensor:
     """The lm_head applied to `hidden` with the logit post-processing that the model's own forward
     applies after it, so that a loss computed from `packed_forward` hidden states sees the same
     distribution as `packed_logits`, the rollout engine and old / reference scoring: Granite's
     `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's
-    `final_logit_softcapping` (cap·tanh(z/cap))."""
+    `final_logit_softcapping` (cap·tanh(z/cap)). `softcap=False` leaves the cap out, for a loss
+    or scorer that applies `head_softcap(model)` inside its kernels (no capped [N, V] copy)."""
     hf = _unwrap(model)
     logits = hf.get_output_embeddings()(hidden)
     cfg = hf.config
@@ -439,9 +491,21 @@ def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     if mul not in (None, 1, 1.0):
         logits = logits * mul
     cap = getattr(cfg, "final_logit_softcapping", None)
-    if cap:
+    if cap and softcap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def packed_head_logits(model, batch: PackedBatch, attn: str = "auto"):
+    """(logits [N, V], cap | None) for scoring: `packed_logits` for a model without a final-logit
+    cap; for a capped one (Gemma 2/3) the uncapped head logits and the cap, to be applied by the
+    kernels (`token_logprobs(..., softcap=cap)`) exactly as the trainer's loss applies it, so old /
+    reference log-probs equal the loss's at step 0 (the model's own head caps in its dtype: a bf16
+    model rounds the capped logits once more)."""
+    cap = head_softcap(model)
+    if cap is None:
+        return packed_logits(model, batch, attn), None
+    return lm_head_logits(model, packed_forward(model, batch, attn), softcap=False), cap
 
 
 def packed_logits(model, batch: PackedBatch, attn: str = "auto") -> torch.Tensor:

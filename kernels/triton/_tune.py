@@ -78,6 +78,11 @@ _SPILLS = {(4, KernelConfig(32, 256, 16))}
 # Logits bytes per thread per block: 64 B (32 bf16) took ≤ 128 registers in the backward on
 # sm_90; 32 fp32 per thread (128 B) took 229 (8 warps per SM). Wider dtypes get more warps.
 MAX_BYTES_PER_THREAD = 64
+# Kernels whose per-element work is heavier get their tiles sized as for fp32 logits (at most 16
+# elements per thread) even for bf16 / fp16: the soft-capped backward (a tanh and its derivative
+# per element) took 151–152 registers (8 warps per SM) or spilled 8–32 B on the bf16 multi-row
+# tiles of 32 elements per thread on sm_90, and took ≤ 128 with no spill on the fp32 ones.
+HEAVY_MIN_ELEM_BYTES = 4
 TUNE_BYTES = 256 << 20  # scratch logits slice the tuner reads (and, for the backward, writes)
 TIE_FRAC = 0.03
 _N_BUCKETS = (256, 2048, 16384)
@@ -149,12 +154,14 @@ class TunedKernel:
     `launch(grid, args, consts, n_rows, n_cols, strides, scratch)`: `scratch(rows)` returns the
     positional args of the same launch on `rows` rows, with every output freshly allocated (the
     tuner times on them: the caller's outputs are never written before the real launch).
-    `bench` and `device_key` are injectable for tests."""
+    `bench` and `device_key` are injectable for tests. `heavy_flag`: a constexpr (e.g.
+    "HAS_SOFTCAP") that, when set, sizes the tiles as for fp32 logits (`HEAVY_MIN_ELEM_BYTES`)."""
 
     def __init__(self, kernel, name: str, bench: Callable = _bench,
-                 device_key: Optional[Callable[[], Tuple[str, int]]] = None):
+                 device_key: Optional[Callable[[], Tuple[str, int]]] = None, heavy_flag: Optional[str] = None):
         self.kernel = kernel
         self.name = name
+        self.heavy_flag = heavy_flag
         self.bench = bench
         self.device_key = device_key or _cuda_device_key
         self.chosen: Dict[str, KernelConfig] = {}
@@ -200,7 +207,10 @@ class TunedKernel:
             return cfg
         layout = layout_of(n_cols, strides)
         key = self.key(args, consts, n_rows, n_cols, layout)
-        cands = candidates(configs_for(device_configs(self.device_key()[1]), args[0].element_size()), n_cols, layout)
+        elem = args[0].element_size()
+        if self.heavy_flag and consts.get(self.heavy_flag):
+            elem = max(elem, HEAVY_MIN_ELEM_BYTES)
+        cands = candidates(configs_for(device_configs(self.device_key()[1]), elem), n_cols, layout)
         with self._lock:
             cfg = self.chosen.get(key) or _disk_get(key)
             if cfg is None or cfg not in cands:

@@ -30,18 +30,17 @@ from fastgrpo.kernels.contract import LogprobsBackend, LossConfig, LossOutput, c
 from fastgrpo.kernels.triton.logprobs import token_logprobs_fwd
 from fastgrpo.kernels.cpu_stream import loss_from_logprobs
 from fastgrpo.kernels.triton._common import (
-    grad_block, grid_rows, load_cap, load_scale, row_major_logits, row_tile, softcap_grad, split_inv_temp,
-    split_softcap)
+    capped_grad_block, grad_block, grid_rows, load_cap, load_scale, row_major_logits, row_tile, softcap_grad,
+    split_inv_temp, split_softcap)
 from fastgrpo.kernels.triton._tune import TunedKernel
 
 
 @triton.jit
-def _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr):
-    """`grad_block` on raw logits x: with the cap, on c = cap·tanh(x/cap) and times ∂c/∂x."""
+def _any_grad_block(x, cols, lse, g, h, ent, tgt, g_dc_tgt, scale, cap, inv_cap, HAS_H: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr):
+    """The gradient of one block of raw logits x: `grad_block`, or `capped_grad_block` with the cap."""
     if HAS_SOFTCAP:
-        c, dc = softcap_grad(x, cap, inv_cap)
-        grad = grad_block(c * scale, cols, lse, g, h, ent, tgt, HAS_H) * dc
+        grad = capped_grad_block(x, cols, lse, g, h, ent, tgt, g_dc_tgt, scale, cap, inv_cap, HAS_H)
     else:
         grad = grad_block(x * scale, cols, lse, g, h, ent, tgt, HAS_H)
     return grad
@@ -80,6 +79,10 @@ def _grpo_loss_bwd_kernel(
     g = tl.load(g_ptr + rows_c).to(acc_t) * scale
     lse = tl.load(lse_ptr + rows_c).to(acc_t)
     tgt = tl.load(targets_ptr + rows_c).to(tl.int64)
+    g_dc_tgt = g
+    if HAS_SOFTCAP:  # g·∂c/∂z at the target, from one gathered load per row
+        _, dc_t = softcap_grad(tl.load(logits_ptr + rows_c * stride_n + tgt).to(acc_t), cap, inv_cap)
+        g_dc_tgt = g * dc_t
     h = g
     ent = lse
     if HAS_H:
@@ -96,13 +99,13 @@ def _grpo_loss_bwd_kernel(
         for v0 in range(0, n_full, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr[:, None] + cols[None, :]).to(acc_t)
-            grad = _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
+            grad = _any_grad_block(x, cols, lse, g, h, ent, tgt, g_dc_tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=st_ok)
         if n_full < n_cols:
             cols = n_full + tl.arange(0, BLOCK_V)
             ok = st_ok & (cols < n_cols)[None, :]
             x = tl.load(row_ptr[:, None] + cols[None, :], mask=ok, other=0.0).to(acc_t)
-            grad = _capped_grad_block(x, cols, lse, g, h, ent, tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
+            grad = _any_grad_block(x, cols, lse, g, h, ent, tgt, g_dc_tgt, scale, cap, inv_cap, HAS_H, HAS_SOFTCAP)
             tl.store(out_ptr[:, None] + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=ok)
     else:
         # Masked-out rows (a_t = 0, e.g. prompt tokens): the gradient is exactly zero.
@@ -115,7 +118,8 @@ def _grpo_loss_bwd_kernel(
             tl.store(out_ptr[:, None] + cols[None, :], zero, mask=st_ok & (cols < n_cols)[None, :])
 
 
-GRPO_LOSS_BWD = TunedKernel(_grpo_loss_bwd_kernel, "grpo_loss_bwd")
+# the soft-capped backward is register-heavier: its tiles are sized as for fp32 (see _tune)
+GRPO_LOSS_BWD = TunedKernel(_grpo_loss_bwd_kernel, "grpo_loss_bwd", heavy_flag="HAS_SOFTCAP")
 
 
 def grpo_loss_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,

@@ -2,10 +2,10 @@
 bundled ptxas on this CPU machine, and their SASS read (benchmarks/compile_grid.py): every build
 compiles, bf16 / fp16 / fp32 builds do not spill, aligned builds (also with an odd V, whose tail
 is peeled) load the logits with 128-bit vector loads, registers and shared memory leave at least
-16 resident warps per SM (8 for the fused lm_head kernels of impl="cce"). The CI set (32
-builds, ~35 s cold on 2 cores, seconds with Triton's cache) covers every Hopper config of the
-backward kernel and the cce kernels in bf16 and fp32; `python benchmarks/compile_grid.py`
-runs the whole grid.
+16 resident warps per SM (8 for the fused lm_head kernels of impl="cce"). The CI set (~50
+builds, ~2 min cold on the shared 2 cores, seconds with Triton's cache) covers every Hopper
+config of the backward kernel, with and without the logit soft cap (HAS_SOFTCAP), and the cce
+kernels in bf16 and fp32; `python benchmarks/compile_grid.py` runs the whole grid.
 
 Compilation needs TRITON_INTERPRET unset while tests/conftest.py sets it for the rest of the
 suite (and the kernel modules read it at import), so the grid runs in a child process."""
@@ -58,9 +58,15 @@ def test_the_ci_set_is_representative(ci_results):
     from fastgrpo.kernels.triton import _tune
 
     results, _ = ci_results
-    bwd90 = {(r["block_n"], r["block_v"], r["num_warps"]) for r in results
-             if r["kernel"] == "bwd" and r["arch"] == 90 and r["dtype"] == "bf16" and r["layout"] == "a"}
-    assert bwd90 == {(c.block_n, c.block_v, c.num_warps) for c in _tune.SM90}
+    def bwd90(softcap):
+        return {(r["block_n"], r["block_v"], r["num_warps"]) for r in results if r["kernel"] == "bwd"
+                and r["arch"] == 90 and r["dtype"] == "bf16" and r["layout"] == "a" and r["softcap"] == softcap}
+
+    assert bwd90(False) == {(c.block_n, c.block_v, c.num_warps) for c in _tune.SM90}
+    # HAS_SOFTCAP: every Hopper config of the capped backward (sized as for fp32), fp32 extremes, cce
+    assert bwd90(True) == {(c.block_n, c.block_v, c.num_warps)
+                           for c in _tune.configs_for(_tune.SM90, _tune.HEAVY_MIN_ELEM_BYTES)}
+    assert {r["kernel"] for r in results if r["softcap"]} == {"fwd", "bwd", "cce_fwd", "cce_bwd"}
     assert {r["kernel"] for r in results} == {"fwd", "bwd", "cce_fwd", "cce_bwd"}
     assert {r["arch"] for r in results} == {80, 90}
     assert {r["dtype"] for r in results} == {"bf16", "fp16", "fp32", "fp64"}

@@ -252,7 +252,7 @@ def test_bad_input():
 
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="sliding_window"):
-        _varlen_sdpa_attention(model.model.layers[0].self_attn, q, q, q, None, sliding_window=4,
+        _varlen_sdpa_attention(model.model.layers[0].self_attn, q, q, q, None, sliding_window=2,  # < 3 tokens
                                cu_seq_lens_q=torch.tensor([0, 3]))
     assert VARLEN_ATTN.startswith("fastgrpo")
 
