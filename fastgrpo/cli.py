@@ -1,4 +1,4 @@
-"""`fastgrpo` command line: train | sft | eval | bench.
+"""`fastgrpo` command line: train | sft | eval | bench | fuse.
 
 Each subcommand builds a `TrainConfig` (the embedded demo config when no --config is given,
 then --set overrides) and calls one library function of fastgrpo.pipeline; nothing else
@@ -9,6 +9,8 @@ happens here (house style rule 5).
     fastgrpo sft --set sft.steps=500
     fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples)
     fastgrpo bench --set steps=10                   # median seconds per phase, tokens/s
+    fastgrpo fuse --set model.path=runs/a           # thinking-mode fusion of a trained run + budget sweep
+    fastgrpo train --config rm.yaml                 # with rm_stage.steps > 0: RLVR, then RM-GRPO in <out>/rm_stage
     fastgrpo train --nvtx                           # NVTX range per phase for `nsys profile`
     torchrun --nproc_per_node 2 -m fastgrpo.cli train --set distributed.backend=deepspeed
     deepspeed --num_gpus 2 --module fastgrpo.cli train --set distributed.backend=deepspeed
@@ -24,7 +26,7 @@ import sys
 import time
 from typing import List, Optional
 
-COMMANDS = ("train", "sft", "eval", "bench")
+COMMANDS = ("train", "sft", "eval", "bench", "fuse")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     for name, help_ in (("train", "SFT cold start + GRPO (+ held-out eval before and after)"),
                         ("sft", "the SFT cold start only"), ("eval", "held-out accuracy / pass@k of model.path"),
-                        ("bench", "seconds per phase and tokens/s of a few GRPO steps")):
+                        ("bench", "seconds per phase and tokens/s of a few GRPO steps"),
+                        ("fuse", "thinking-mode fusion (Qwen3) of model.path + the thinking-budget sweep")):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--config", help="YAML file of config sections (default: the embedded demo)")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
@@ -73,6 +76,12 @@ def config_from_args(args):
     out = args.out or f"runs/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.config:
         return load_config(args.config, overrides + [f"logging.out_dir={out}"]), f"config file {args.config}"
+    if args.command == "fuse":  # a run folder's own settings (task, rollout, rewards) carry over to its fusion
+        from fastgrpo.trainer.fusion import run_config_path
+
+        found = run_config_path(args.overrides)
+        if found:
+            return load_config(found, overrides + [f"logging.out_dir={out}"]), f"the RL run's config {found}"
     if uses_demo(args):
         return default_config(overrides, out_dir=out), "the embedded demo (fastgrpo/demo/default.py)"
     return load_config(None, overrides + [f"logging.out_dir={out}"]), "the library defaults for a pretrained model"
@@ -127,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from fastgrpo.trainer.runfolder import TrainingInterrupted
 
     run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only, "eval": pipeline.run_eval,
-           "bench": pipeline.run_bench}[args.command]
+           "bench": pipeline.run_bench, "fuse": _fuse}[args.command]
     try:
         run(cfg, log=log)
     except TrainingStopped as e:
@@ -146,6 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         return _fail(e, args, log)
     return 0
+
+
+def _fuse(cfg, log):
+    from fastgrpo.trainer.fusion import run_fuse
+
+    return run_fuse(cfg, log=log)
 
 
 def _expected(e: BaseException) -> bool:
