@@ -144,7 +144,11 @@ def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> None
     from fastgrpo.rewards.registry import build_rewards
 
     scfg = stage_config(cfg)
-    build_rewards(scfg.rewards, build_stage_task(cfg, tokenizer, base, context_len), cfg.rollout.max_new_tokens)
+    task = build_stage_task(cfg, tokenizer, base, context_len)
+    try:
+        build_rewards(scfg.rewards, task, cfg.rollout.max_new_tokens)
+    except ValueError as e:  # the stage's functions are rm_stage's fields
+        raise ValueError(str(e).replace("rewards.functions", "rm_stage.functions")) from None
 
 
 def _policy_path(cfg, log: Log) -> str:

@@ -1,0 +1,127 @@
+"""RM-GRPO end to end: GRPO on the tiny policy with a reward model trained in the test as the
+only reward raises the frequency of the marker it prefers; the two-stage pipeline (RLVR, then
+RM-GRPO on a mixed prompt set, fastgrpo/trainer/stages.py) runs, logs the stage in its own
+folder and resumes inside the stage without running RLVR again; bad stage inputs fail at load."""
+import json
+import os
+
+import pytest
+
+from fastgrpo.rollout.base import SamplingConfig
+from fastgrpo.trainer.checkpoint import list_checkpoints
+from fastgrpo.trainer.metrics import read_metrics
+from reward_models import MARKER, marker_rm
+from trainer_helpers import tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory):
+    return marker_rm(tmp_path_factory)
+
+
+def _marker_rate(trainer, n_prompts=16, G=8):
+    probs = trainer.task.train[:n_prompts]
+    ids = trainer.tokenizer([p.prompt for p in probs], add_special_tokens=False)["input_ids"]
+    groups = trainer.engine.generate(ids, n=G, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8, seed=7))
+    texts = [c.text for g in groups for c in g]
+    return sum(MARKER in t for t in texts) / len(texts)
+
+
+def test_grpo_with_the_trained_reward_model_raises_the_marker_frequency(rm_path, tmp_path):
+    from fastgrpo.trainer.grpo import Trainer
+
+    cfg = tiny_cfg(tmp_path, "rewards.functions=[marker]", "rewards.weights=[1.0]",
+                   f"rewards.models={{marker: {{path: {rm_path}, device: cpu, normalize: group}}}}",
+                   "steps=20", "optimizer.lr=3e-3", "rollout.prompts_per_step=8", "rollout.group_size=8",
+                   "algorithm.max_pass_rate=1.0")
+    trainer = Trainer(cfg)
+    try:
+        before = _marker_rate(trainer)
+        rows = []
+        trainer.train(on_step=lambda s, m: rows.append(m))
+        trainer.sync_engine()
+        after = _marker_rate(trainer)
+    finally:
+        trainer.close()
+    print("marker rate", before, after)
+    assert after > before + 0.2, (before, after)
+    assert all(r["reward/marker/mean"] == pytest.approx(0.0, abs=1e-6) for r in rows)  # z-scored within groups
+    assert rows[-1]["reward/marker/scored"] == 64.0  # one batched call over the 8 × 8 completions
+
+
+def _stage_args(tmp_path, rm_path, steps=2):
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 1))]
+    rows += [{"prompt": p} for p in ("hi:", "say:", "ok:")]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["checkpoint.at_end=true", f"rewards.models={{marker: {{path: {rm_path}, device: cpu, normalize: group}}}}",
+            f"rm_stage.steps={steps}", f"rm_stage.prompts={path}", "rm_stage.functions=[accuracy, marker]",
+            "rm_stage.weights=[1.0, 0.5]", "rm_stage.lr=1e-3"]
+
+
+def test_two_stage_pipeline_runs_then_resumes_inside_the_stage(rm_path, tmp_path):
+    from fastgrpo.pipeline import run_train
+
+    out = tmp_path / "run"
+    logs = []
+    summary = run_train(tiny_cfg(out, *_stage_args(tmp_path, rm_path)), log=logs.append)
+    stage = out / "rm_stage"
+    assert summary["steps"] == 2 and summary["rm_stage/steps"] == 2
+    assert [os.path.basename(c) for c in list_checkpoints(str(stage))] == ["step-00000002"]
+    rows = read_metrics(str(stage / "metrics.jsonl"))
+    train_rows = [r for r in rows if "reward/marker/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    assert any("eval/accuracy" in r for r in rows)  # the RLVR task's held-out set, before and after the stage
+    rlvr_rows = len(read_metrics(str(out / "metrics.jsonl")))
+    assert not any("reward/marker/mean" in r for r in read_metrics(str(out / "metrics.jsonl")))  # a separate phase
+    assert any("stage 2 (RM-GRPO): 6 prompts" in line for line in logs)
+
+    logs.clear()
+    summary = run_train(tiny_cfg(out, *_stage_args(tmp_path, rm_path, steps=3)), log=logs.append)
+    assert summary["rm_stage/steps"] == 3 and summary["steps"] == 2  # RLVR's summary read back
+    assert any("stage 2 resumed from" in line and "step-00000002" in line for line in logs)
+    assert len(read_metrics(str(out / "metrics.jsonl"))) == rlvr_rows  # RLVR did not run again
+    assert [r["step"] for r in read_metrics(str(stage / "metrics.jsonl")) if "reward/marker/mean" in r] == [1, 2, 3]
+
+
+def test_mixed_prompt_set_scores_accuracy_only_where_there_is_an_answer(rm_path, tmp_path):
+    from fastgrpo.rewards.registry import RewardInputs, build_rewards
+    from fastgrpo.tasks.arithmetic import ArithmeticTask
+    from fastgrpo.trainer.stages import build_stage_task, stage_config
+
+    cfg = tiny_cfg(tmp_path, *_stage_args(tmp_path, rm_path))
+    base = ArithmeticTask(10, 10, 0)
+    task = build_stage_task(cfg, None, base)
+    assert [p.answer for p in task.train] == ["3", "7", "6", "", "", ""]
+    assert min(p.id for p in task.train) > max(p.id for p in base.train + base.heldout)
+    assert task.heldout == base.heldout
+    rewards = build_rewards(stage_config(cfg).rewards, task, 8)
+    probs = [task.train[0], task.train[0], task.train[3], task.train[3]]
+    inputs = RewardInputs(completions=["<answer>3</answer>", "<answer>4</answer>!", "x", "x!"], problems=probs,
+                          group_size=2)
+    assert rewards["accuracy"](inputs) == [1.0, 0.0, None, None]
+    assert rewards["marker"](inputs) == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-3)  # z-scores of 2-groups
+
+
+def test_bad_stage_inputs_fail_at_load_naming_them(rm_path, tmp_path, monkeypatch):
+    from fastgrpo import pipeline
+    from fastgrpo.config import load_config
+
+    built = []
+    monkeypatch.setattr(pipeline, "build_model", lambda *a, **k: built.append(1))
+    args = _stage_args(tmp_path, rm_path)
+    bad_rm = [a if not a.startswith("rewards.models") else
+              f"rewards.models={{marker: {{path: {tmp_path}/gone, device: cpu}}}}" for a in args]
+    with pytest.raises(ValueError, match=rf"rewards.models.marker: cannot load a classifier .*{tmp_path}/gone"):
+        pipeline.run_train(tiny_cfg(tmp_path / "a", *bad_rm))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "hi"}) + "\n")
+    bad_rows = [a if not a.startswith("rm_stage.prompts") else f"rm_stage.prompts={tmp_path}/bad.jsonl" for a in args]
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no 'prompt' or 'messages' column"):
+        pipeline.run_train(tiny_cfg(tmp_path / "b", *bad_rows))
+    unknown = [a if not a.startswith("rm_stage.functions") else "rm_stage.functions=[accuracy, helpful]" for a in args]
+    with pytest.raises(ValueError, match=r"rm_stage.functions\[1\]='helpful': unknown reward"):
+        pipeline.run_train(tiny_cfg(tmp_path / "c", *unknown))
+    assert not built and not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match=r"rm_stage.weights=\[1.0\]: expected one weight per rm_stage.functions"):
+        load_config(None, ["rm_stage.steps=2", "rm_stage.prompts=x.jsonl", "rm_stage.functions=[a, b]",
+                           "rm_stage.weights=[1.0]"])
