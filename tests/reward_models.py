@@ -19,7 +19,15 @@ def marker_pairs(rng: random.Random, n: int):
     return cho, rej
 
 
-def train_marker_rm(path: str, steps: int = 40, seed: int = 0) -> str:
+def marker_rm(tmp_path_factory) -> str:
+    """The marker reward model of this test session (trained once, shared by the test modules)."""
+    path = tmp_path_factory.getbasetemp() / "marker_rm"
+    if not (path / "config.json").exists():
+        train_marker_rm(str(path))
+    return str(path)
+
+
+def train_marker_rm(path: str, steps: int = 30, pairs: int = 16, seed: int = 0) -> str:
     """A 1-layer Qwen2ForSequenceClassification (num_labels=1) trained with the Bradley–Terry loss
     −log σ(r(chosen) − r(rejected)) to score texts with the marker higher; saved to `path`."""
     from transformers import AutoModelForSequenceClassification
@@ -36,9 +44,9 @@ def train_marker_rm(path: str, steps: int = 40, seed: int = 0) -> str:
     rng = random.Random(seed)
     opt = torch.optim.Adam(rm.parameters(), lr=3e-3)
     for _ in range(steps):
-        cho, rej = marker_pairs(rng, 32)
+        cho, rej = marker_pairs(rng, pairs)
         s = rm(**tok(cho + rej, padding=True, return_tensors="pt")).logits.squeeze(-1)
-        loss = -torch.nn.functional.logsigmoid(s[:32] - s[32:]).mean()
+        loss = -torch.nn.functional.logsigmoid(s[:pairs] - s[pairs:]).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -15,12 +15,12 @@ from fastgrpo.rewards.combine import score_groups
 from fastgrpo.rewards.judge import JudgedAccuracy, JudgeReward, RewardModelReward, group_normalize
 from fastgrpo.rewards.registry import RewardInputs, build_rewards
 from fastgrpo.tasks.base import Problem
-from reward_models import MARKER, marker_pairs, tiny_judge, train_marker_rm
+from reward_models import MARKER, marker_pairs, tiny_judge, marker_rm
 
 
 @pytest.fixture(scope="module")
 def rm_path(tmp_path_factory):
-    return train_marker_rm(str(tmp_path_factory.mktemp("rm") / "rm"))
+    return marker_rm(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
