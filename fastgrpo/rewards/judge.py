@@ -233,7 +233,11 @@ class JudgeReward(_ModelReward):
                 enc = self._encode(texts[i:i + self.cfg.batch_size])
                 # left padding: positions count real tokens only, as an unpadded forward would
                 pos = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-                logits = self.model(**enc, position_ids=pos, logits_to_keep=1).logits[:, -1, :].float()
+                try:  # only the last position's logits: [n, V], not [n, L, V]
+                    out = self.model(**enc, position_ids=pos, logits_to_keep=1)
+                except TypeError:  # a model class without logits_to_keep
+                    out = self.model(**enc, position_ids=pos)
+                logits = out.logits[:, -1, :].float()
                 rows.append(torch.softmax(logits, dim=-1)[:, self.label_ids].cpu())
         return torch.cat(rows) if rows else torch.zeros(0, len(self.label_ids))
 

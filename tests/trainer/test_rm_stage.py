@@ -125,3 +125,20 @@ def test_bad_stage_inputs_fail_at_load_naming_them(rm_path, tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"rm_stage.weights=\[1.0\]: expected one weight per rm_stage.functions"):
         load_config(None, ["rm_stage.steps=2", "rm_stage.prompts=x.jsonl", "rm_stage.functions=[a, b]",
                            "rm_stage.weights=[1.0]"])
+
+
+def test_cli_train_runs_both_stages_and_reports_an_unloadable_reward_model_in_one_line(rm_path, tmp_path, capsys):
+    from fastgrpo.cli import main
+    from trainer_helpers import TINY
+
+    def argv(out, extra):
+        return ["train", "--out", str(out)] + [x for a in TINY + extra for x in ("--set", a)]
+
+    assert main(argv(tmp_path / "ok", _stage_args(tmp_path, rm_path))) == 0
+    assert json.loads((tmp_path / "ok" / "rm_stage" / "summary.json").read_text())["rm_stage/steps"] == 2
+    capsys.readouterr()
+    bad = [a if not a.startswith("rewards.models") else
+           f"rewards.models={{marker: {{path: {tmp_path}/gone, device: cpu}}}}" for a in _stage_args(tmp_path, rm_path)]
+    assert main(argv(tmp_path / "bad", bad)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fastgrpo: config rewards.models.marker: cannot load a classifier"), err
