@@ -99,7 +99,8 @@ def _user_turns(problem) -> List[dict]:
         if isinstance(value, str) and value.strip():
             return [{"role": "user", "content": value}]
         if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
-            return [{"role": m["role"], "content": m.get("content", "")} for m in value if m["role"] != "assistant"]
+            turns = [{"role": m["role"], "content": m.get("content", "")} for m in value]
+            return turns[:-1] if turns[-1]["role"] == "assistant" and len(turns) > 1 else turns  # not the reference reply
     return [{"role": "user", "content": getattr(problem, "prompt", "")}]
 
 

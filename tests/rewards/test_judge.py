@@ -78,8 +78,10 @@ def test_reward_model_uses_its_own_chat_template_with_the_rows_raw_prompt(rm_pat
     tok.save_pretrained(folder)
     rm = RewardModelReward("chat", RewardModelConfig(path=folder, device="cpu"))
     p = Problem(id=0, prompt="SYSTEM ... formatted 1+2=", answer="3", row={"prompt": "1+2="})
-    texts = rm.texts(RewardInputs(completions=["3!"], problems=[p]))
-    assert texts == ["[user]1+2=[assistant]3!"]
+    chat = Problem(id=1, prompt="formatted", row={"messages": [{"role": "user", "content": "q"},
+                                                              {"role": "assistant", "content": "reference"}]})
+    texts = rm.texts(RewardInputs(completions=["3!", "a"], problems=[p, chat]))
+    assert texts == ["[user]1+2=[assistant]3!", "[user]q[assistant]a"]  # the reference reply is not scored
 
 
 def test_judge_score_is_the_label_weighted_expectation_of_its_next_token(judge_path):
