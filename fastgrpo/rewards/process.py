@@ -228,16 +228,19 @@ class ProcessReward:
 
     def score(self, inputs: RewardInputs) -> List[StepResult]:
         """Step results of every completion of `inputs` (kept for `results_for`); failures are
-        queued for `drain_errors`, naming the prompt id and the completion's index in its group."""
+        queued for `drain_errors`, one line per prompt and reason naming the prompt id and the
+        completions' indices in their group."""
         G = max(1, inputs.group_size)
-        out = []
+        out, failed = [], {}  # (prompt key, why) → the completions (index in the group): one line each
         for j, (text, prob) in enumerate(zip(inputs.completions, inputs.problems)):
             r = self.score_one(getattr(prob, "prompt", ""), text, str(getattr(prob, "answer", "")))
             if r.error is not None:
                 key = getattr(prob, "key", "") or getattr(prob, "id", j // G)
-                self._errors.append(f"reward {self.name!r} on prompt id {key} (completion {j % G}): {r.error}; "
-                                    "scored rewards.error_score")
+                failed.setdefault((key, r.error), []).append(str(j % G))
             out.append(r)
+        for (key, why), js in failed.items():
+            which = f"completion {js[0]}" if len(js) == 1 else f"completions {', '.join(js)}"
+            self._errors.append(f"reward {self.name!r} on prompt id {key} ({which}): {why}; scored rewards.error_score")
         self._last = (list(inputs.completions), out)
         return out
 

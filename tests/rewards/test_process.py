@@ -271,3 +271,13 @@ def test_a_scorer_that_does_not_import_fails_in_build_rewards(tmp_path):
         with pytest.raises(ValueError, match="config rewards.process.scorer") as e:
             build_rewards(cfg.rewards, Task(), 24)
         assert why in str(e.value)
+
+
+def test_the_run_loader_refuses_a_bad_scorer_before_any_model(tmp_path):
+    from fastgrpo.pipeline import load_run
+
+    cfg = load_config(None, ["rewards.process.scorer=no_such_module_xyz:score", "rewards.process.dense_weight=1",
+                             f"logging.out_dir={tmp_path}/run"])
+    with pytest.raises(ValueError, match="config rewards.process.scorer: 'no_such_module_xyz:score': cannot import"):
+        load_run(cfg, log=lambda m: None)
+    assert not (tmp_path / "run").exists()  # nothing of the run was started
