@@ -136,6 +136,7 @@ class _ModelReward:
         self.max_length = min(mcfg.max_length or ctx, ctx)
         self.chat = bool(getattr(tok, "chat_template", None))
         self.calls = self.items = self.unparsable = 0
+        self.raw_mean = 0.0  # mean score of the last call before normalisation
 
     def _encode(self, texts: List[str]):
         tok = self.tokenizer
@@ -145,11 +146,14 @@ class _ModelReward:
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
     def _normalize(self, scores: List[Optional[float]], group_size: int) -> List[Optional[float]]:
+        ok = [v for v in scores if v is not None]
+        self.raw_mean = sum(ok) / len(ok) if ok else 0.0
         return group_normalize(scores, group_size) if self.cfg.normalize == "group" else scores
 
     def metrics(self) -> Dict[str, float]:
         """Counters of the last call: items scored and those without a parsable score."""
-        return {f"reward/{self.name}/scored": float(self.items), f"reward/{self.name}/unparsable": float(self.unparsable)}
+        return {f"reward/{self.name}/scored": float(self.items), f"reward/{self.name}/unparsable": float(self.unparsable),
+                f"reward/{self.name}/raw_mean": self.raw_mean}
 
 
 class RewardModelReward(_ModelReward):

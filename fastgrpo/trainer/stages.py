@@ -13,7 +13,15 @@ the stage says whether the verifiable skill survived it.
 
 On the stage's prompts `accuracy` is the RLVR task's verifier on rows with an answer and None
 (unverifiable, counted as `rewards.error_score`, the same for the G completions of a prompt, so it
-moves no advantage) on open-ended rows. Resume: a run started again with the same out_dir skips
+moves no advantage) on open-ended rows; with `rm_stage.route` (the default, R1's split: "rule-based
+rewards for reasoning data, reward models for general data") the reward models of `rewards.models`
+likewise score only the rows without an answer. Measured on the demo (RLVR 200 steps, then 40
+stage steps on 64 sums + 64 open prompts, accuracy 1.0 + format 0.1 + a group-normalised tiny
+marker RM 0.5): without routing the RM's z-scored noise on the sums, where accuracy is often
+the same for all G, drove held-out accuracy 0.815 → 0.005 (reward hacking of a proxy, the
+chapter's point); routed, 0.815 → 0.535 while the RM's raw score on the open prompts rose
+−2.59 → 2.63 (a tiny model shares its weights between the kinds); routed with
+`rm_stage.beta=0.1` (KL to the RLVR model), 0.815 → 0.77 with the raw score −2.59 → 1.85. Resume: a run started again with the same out_dir skips
 the RLVR stage once the stage has a checkpoint and resumes the stage from its latest one.
 Departure from the papers: one prompt file holds both kinds (they mix data sources by sampler
 weights); weight the kinds by how many rows of each the file holds.
@@ -44,6 +52,7 @@ def stage_config(cfg):
     s.steps, s.sft_first = st.steps, False
     s.rewards.functions, s.rewards.weights = list(st.functions), list(st.weights)
     s.optimizer.lr = st.lr or cfg.optimizer.lr
+    s.algorithm.beta = st.beta or cfg.algorithm.beta  # the reference is the stage's start: the RLVR model
     s.logging.out_dir = stage_dir(cfg)
     s.checkpoint.resume = "none" if cfg.checkpoint.resume == "none" else "auto"  # the stage's own checkpoints
     s.rm_stage = RMStageConfig()
@@ -63,33 +72,46 @@ class MixedTask:
     name = "mixed"
     has_completions = False
 
-    def __init__(self, train: List, base):
+    def __init__(self, train: List, base, models=None):
         self.train, self.heldout, self.base = train, list(getattr(base, "heldout", []) or []), base
+        self.models = dict(models or {})  # rm_stage.route: the reward models scored on open-ended rows only
         self.format_tags = getattr(base, "format_tags", None)
         if hasattr(base, "extract"):  # the math extractor: rewards.accuracy_judge reads answers with it
             self.extract = base.extract
 
     def reward_fns(self) -> Dict[str, Callable]:
-        from fastgrpo.rewards.registry import call_reward, inputs_reward
+        from fastgrpo.rewards.judge import load_model_reward
 
         base = dict(self.base.reward_fns()) if hasattr(self.base, "reward_fns") else {}
         fns = {k: v for k, v in base.items() if k != "accuracy"}
-        if "accuracy" in base:
-            acc = base["accuracy"]
-
-            @inputs_reward
-            def accuracy(inputs):
-                """The RLVR task's accuracy on rows with an answer; None on open-ended rows."""
-                idx = [i for i, a in enumerate(inputs.answers) if str(a).strip()]
-                out: List[Optional[float]] = [None] * len(inputs)
-                if idx:
-                    sub = _select(inputs, idx)
-                    for i, v in zip(idx, call_reward(acc, sub)):
-                        out[i] = v
-                return out
-
-            fns["accuracy"] = accuracy
+        if "accuracy" in base:  # the RLVR task's accuracy on rows with an answer
+            fns["accuracy"] = RowsReward(base["accuracy"], answered=True)
+        for name, m in self.models.items():  # loaded once (load_model_reward keeps them)
+            fns[name] = RowsReward(load_model_reward(name, m), answered=False)
         return fns
+
+
+class RowsReward:
+    """`fn` on the rows with an answer (`answered=True`) or on those without; None elsewhere (the
+    same for a prompt's G completions: it moves no advantage)."""
+
+    takes_inputs = True
+
+    def __init__(self, fn: Callable, answered: bool):
+        self.fn, self.answered = fn, answered
+
+    def __call__(self, inputs) -> List[Optional[float]]:
+        from fastgrpo.rewards.registry import call_reward
+
+        idx = [i for i, a in enumerate(inputs.answers) if bool(str(a).strip()) == self.answered]
+        out: List[Optional[float]] = [None] * len(inputs)
+        if idx:
+            for i, v in zip(idx, call_reward(self.fn, _select(inputs, idx))):
+                out[i] = v
+        return out
+
+    def metrics(self) -> Dict[str, float]:
+        return self.fn.metrics() if hasattr(self.fn, "metrics") else {}
 
 
 def _select(inputs, idx: List[int]):
@@ -133,7 +155,8 @@ def build_stage_task(cfg, tokenizer, base, context_len: Optional[int] = None) ->
             if len(ids) > cap:
                 raise ValueError(f"{p.key}: the prompt is {len(ids)} tokens; the model's context {context_len} − "
                                  f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves {cap}")
-    return MixedTask(probs, base)
+    routed = cfg.rewards.models if cfg.rm_stage.route else {}
+    return MixedTask(probs, base, {k: v for k, v in routed.items() if k in cfg.rm_stage.functions})
 
 
 def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> None:
@@ -184,7 +207,9 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
     os.makedirs(out, exist_ok=True)
     dump_config(scfg, os.path.join(out, "config.yaml"))
     resume = latest_checkpoint(out, log=log) if scfg.checkpoint.resume == "auto" else None
-    scfg.model.path = resume and os.path.join(resume, "model") or _policy_path(cfg, log)
+    # built from the RLVR model even on resume (the checkpoint's weights are loaded after): that
+    # model is the stage's KL reference, resumed or not
+    scfg.model.path = _policy_path(cfg, log)
     seed_everything(scfg.seed)
     model, tok = build_model(scfg.model)
     base = build_task(cfg.data, tok, max_new_tokens=cfg.rollout.max_new_tokens)

@@ -76,12 +76,15 @@ def test_two_stage_pipeline_runs_then_resumes_inside_the_stage(rm_path, tmp_path
     assert not any("reward/marker/mean" in r for r in read_metrics(str(out / "metrics.jsonl")))  # a separate phase
     assert any("stage 2 (RM-GRPO): 6 prompts" in line for line in logs)
 
-    logs.clear()
-    summary = run_train(tiny_cfg(out, *_stage_args(tmp_path, rm_path, steps=3)), log=logs.append)
+    logs.clear()  # resumed with a KL anchor: the reference is the RLVR model, not the stage's checkpoint
+    summary = run_train(tiny_cfg(out, *_stage_args(tmp_path, rm_path, steps=3), "rm_stage.beta=0.5"), log=logs.append)
     assert summary["rm_stage/steps"] == 3 and summary["steps"] == 2  # RLVR's summary read back
     assert any("stage 2 resumed from" in line and "step-00000002" in line for line in logs)
     assert len(read_metrics(str(out / "metrics.jsonl"))) == rlvr_rows  # RLVR did not run again
-    assert [r["step"] for r in read_metrics(str(stage / "metrics.jsonl")) if "reward/marker/mean" in r] == [1, 2, 3]
+    rows = [r for r in read_metrics(str(stage / "metrics.jsonl")) if "reward/marker/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["loss/kl_mean"] > 0  # the stage's 2 updates moved it off the RLVR model
+    assert "loss/kl_mean" not in rows[0] or rows[0]["loss/kl_mean"] == 0
 
 
 def test_mixed_prompt_set_scores_accuracy_only_where_there_is_an_answer(rm_path, tmp_path):
@@ -100,7 +103,11 @@ def test_mixed_prompt_set_scores_accuracy_only_where_there_is_an_answer(rm_path,
     inputs = RewardInputs(completions=["<answer>3</answer>", "<answer>4</answer>!", "x", "x!"], problems=probs,
                           group_size=2)
     assert rewards["accuracy"](inputs) == [1.0, 0.0, None, None]
-    assert rewards["marker"](inputs) == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-3)  # z-scores of 2-groups
+    routed = rewards["marker"](inputs)  # rm_stage.route: the reward model scores the open-ended rows only
+    assert routed[:2] == [None, None] and routed[2:] == pytest.approx([-1.0, 1.0], abs=1e-3)  # z-scores of a 2-group
+    every = tiny_cfg(tmp_path, *_stage_args(tmp_path, rm_path), "rm_stage.route=false")
+    everywhere = build_rewards(stage_config(every).rewards, build_stage_task(every, None, base), 8)["marker"](inputs)
+    assert everywhere == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-3)
 
 
 def test_bad_stage_inputs_fail_at_load_naming_them(rm_path, tmp_path, monkeypatch):
