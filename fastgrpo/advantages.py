@@ -162,16 +162,26 @@ def step_advantages(step_scores: Sequence[Optional[Sequence[float]]], group_size
     if len(step_scores) % group_size:
         raise ValueError(f"step_scores: length {len(step_scores)} is not a multiple of group_size={group_size}")
     out: list = [None] * len(step_scores)
-    for g in range(0, len(step_scores), group_size):
-        members = [(j, np.asarray(step_scores[j], dtype=np.float64)) for j in range(g, g + group_size)
-                   if step_scores[j] is not None and len(step_scores[j])]
-        if not members:
-            continue
-        flat = np.concatenate([s for _, s in members])
-        if not np.isfinite(flat).all():
-            raise ValueError(f"step_scores: non-finite step score in group {g // group_size}; expected finite scores")
-        mean, sigma = flat.mean(), flat.std()
-        for j, s in members:
-            a = np.zeros_like(s) if bool((flat == flat[0]).all()) else (s - mean) / (sigma + eps)
-            out[j] = np.cumsum(a[::-1])[::-1].copy() if credit == "to_go" else a
+    scored = [j for j, x in enumerate(step_scores) if x is not None and len(x)]
+    if not scored:
+        return out
+    # every step of the batch at once (groups are consecutive, so are their steps)
+    n = np.array([len(step_scores[j]) for j in scored], dtype=np.int64)
+    flat = np.fromiter((float(v) for j in scored for v in step_scores[j]), dtype=np.float64, count=int(n.sum()))
+    if not np.isfinite(flat).all():
+        bad = int(np.repeat(np.array(scored), n)[~np.isfinite(flat)][0])
+        raise ValueError(f"step_scores: non-finite step score in group {bad // group_size}; expected finite scores")
+    _, grp = np.unique(np.repeat(np.array(scored) // group_size, n), return_inverse=True)
+    cnt = np.bincount(grp)
+    mean = np.bincount(grp, flat) / cnt
+    sigma = np.sqrt(np.bincount(grp, (flat - mean[grp]) ** 2) / cnt)
+    starts = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    equal = np.maximum.reduceat(flat, starts) == np.minimum.reduceat(flat, starts)
+    adv = np.where(equal[grp], 0.0, (flat - mean[grp]) / (sigma[grp] + eps))
+    if credit == "to_go":  # Σ over this step and the later ones of the same completion
+        ends = np.cumsum(n)
+        total = np.repeat(np.add.reduceat(adv, ends - n), n)
+        adv = total - (np.cumsum(adv) - np.repeat(np.cumsum(adv)[ends - 1] - np.add.reduceat(adv, ends - n), n)) + adv
+    for j, a in zip(scored, np.split(adv, np.cumsum(n)[:-1])):
+        out[j] = a
     return out

@@ -82,31 +82,36 @@ class StepSplitter:
         return [text[a:b] for a, b in self.spans(text)]
 
 
-def token_offsets(tokenizer, ids: Sequence[int], text: str, cache: Optional[Dict[int, str]] = None) -> np.ndarray:
-    """[C, 2] character (start, end) of each completion token in `text` (= the tokenizer's decode
-    of `ids` with special tokens skipped). Each token's own decode when those join to `text`
-    (character and most BPE tokenizers); else each token's text is what it adds to the decode of
-    the six tokens before it (the incremental detokenisation of vLLM / TGI: SentencePiece's
-    leading spaces, bytes of one character split over tokens), clamped to `text`."""
+def token_lengths(tokenizer, ids: Sequence[int], text: str, cache: Optional[Dict[int, str]] = None) -> List[int]:
+    """Characters of `text` (= the tokenizer's decode of `ids`, special tokens skipped) that each
+    completion token stands for: each token's own decode when those join to `text` (character and
+    most BPE tokenizers); else what the token adds to the decode of the six tokens before it (the
+    incremental detokenisation of vLLM / TGI: SentencePiece's leading spaces, bytes of one
+    character split over tokens). `cache`: token id → its decode, kept across calls."""
     cache = {} if cache is None else cache
     pieces = []
     for i in ids:
-        i = int(i)
-        if i not in cache:
-            cache[i] = tokenizer.decode([i], skip_special_tokens=True)
-        pieces.append(cache[i])
+        piece = cache.get(i)
+        if piece is None:
+            piece = cache[i] = tokenizer.decode([int(i)], skip_special_tokens=True)
+        pieces.append(piece)
     if "".join(pieces) == text:
-        lens = [len(p) for p in pieces]
-    else:
-        lens = []
-        for k in range(len(ids)):
-            s = max(0, k - 6)
-            window = [int(x) for x in ids[s:k + 1]]
-            lens.append(max(0, len(tokenizer.decode(window, skip_special_tokens=True))
-                            - len(tokenizer.decode(window[:-1], skip_special_tokens=True))))
-    ends = np.minimum(np.cumsum(np.asarray(lens, dtype=np.int64)), len(text))
-    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64) if len(ends) else np.zeros(0, dtype=np.int64)
-    return np.stack([starts, ends], axis=1) if len(ends) else np.zeros((0, 2), dtype=np.int64)
+        return [len(p) for p in pieces]
+    lens = []
+    for k in range(len(ids)):
+        window = [int(x) for x in ids[max(0, k - 6):k + 1]]
+        lens.append(max(0, len(tokenizer.decode(window, skip_special_tokens=True))
+                        - len(tokenizer.decode(window[:-1], skip_special_tokens=True))))
+    return lens
+
+
+def token_offsets(tokenizer, ids: Sequence[int], text: str, cache: Optional[Dict[int, str]] = None) -> np.ndarray:
+    """[C, 2] character (start, end) of each completion token in `text` (`token_lengths`, clamped
+    to the text)."""
+    lens = np.asarray(token_lengths(tokenizer, ids, text, cache), dtype=np.int64)
+    ends = np.minimum(np.cumsum(lens), len(text))
+    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends
+    return np.stack([starts, ends], axis=1).astype(np.int64) if len(ends) else np.zeros((0, 2), dtype=np.int64)
 
 
 def token_steps(spans: Sequence[Span], offsets: np.ndarray) -> np.ndarray:
@@ -122,6 +127,37 @@ def token_steps(spans: Sequence[Span], offsets: np.ndarray) -> np.ndarray:
     k = np.searchsorted(starts, pos, side="right") - 1
     k[(pos < 0) | ((k == len(spans) - 1) & (pos >= last_end))] = -1
     return k
+
+
+def batch_token_values(spans: Sequence[Sequence[Span]], values: Sequence[np.ndarray],
+                       lengths: Sequence[Sequence[int]], text_lens: Sequence[int]) -> List[np.ndarray]:
+    """For every completion j, `values[j]` at each token's step (`token_steps` of its offsets,
+    0 where a token has no step), from its tokens' `token_lengths` and its text's length: one
+    cumsum and one searchsorted over the whole batch instead of a dozen numpy calls per
+    completion (every completion has at least one step)."""
+    if not len(spans):
+        return []
+    n_tok = np.array([len(x) for x in lengths], dtype=np.int64)
+    n_step = np.array([len(x) for x in spans], dtype=np.int64)
+    lens = np.fromiter((v for x in lengths for v in x), dtype=np.int64, count=int(n_tok.sum()))
+    comp_of_tok = np.repeat(np.arange(len(spans)), n_tok)
+    comp_of_step = np.repeat(np.arange(len(spans)), n_step)
+    cum = np.cumsum(lens)
+    first = np.cumsum(n_tok) - n_tok  # each completion's first token
+    local = cum - np.repeat(cum[first[n_tok > 0]] - lens[first[n_tok > 0]], n_tok[n_tok > 0])  # cumsum per completion
+    text_len = np.repeat(np.asarray(text_lens, dtype=np.int64), n_tok)
+    starts, ends = np.minimum(local - lens, text_len), np.minimum(local, text_len)  # clamped to the text
+    span = np.array([ab for x in spans for ab in x], dtype=np.int64).reshape(-1, 2)
+    # completion j's characters at j·stride + position: one sorted key space for the whole batch
+    stride = int(max(int(text_len.max(initial=0)), int(span[:, 1].max(initial=0)))) + 2
+    pos = np.where(ends > starts, starts, starts - 1)  # a token with no text: the character before it
+    k = np.searchsorted(comp_of_step * stride + span[:, 0], comp_of_tok * stride + pos, side="right") - 1
+    kk = np.maximum(k, 0)
+    last = np.cumsum(n_step) - 1
+    ok = (k >= 0) & (pos >= 0) & (comp_of_step[kk] == comp_of_tok)
+    ok &= ~((kk == last[comp_of_tok]) & (pos >= span[kk, 1]))
+    vals = np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
+    return np.split(np.where(ok, vals[kk], 0.0), np.cumsum(n_tok)[:-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +308,14 @@ class ProcessReward:
         G = len(groups[0]) if groups else 1
         adv = step_advantages([r.scores for r in results], G, credit=self.credit)
         comps = [c for g in groups for c in g]
-        for c, r, a in zip(comps, results, adv):
-            if a is None:
-                c.step_advantages = np.zeros(len(c.token_ids), dtype=np.float32)
-                continue
-            steps = token_steps(r.spans, token_offsets(tokenizer, c.token_ids, c.text, self._pieces))
-            c.step_advantages = (self.dense_weight * np.where(steps >= 0, a[np.maximum(steps, 0)], 0.0)).astype(np.float32)
+        scored = [k for k, a in enumerate(adv) if a is not None]
+        per_tok = batch_token_values([results[k].spans for k in scored], [adv[k] for k in scored],
+                                     [token_lengths(tokenizer, comps[k].token_ids, comps[k].text, self._pieces)
+                                      for k in scored], [len(comps[k].text) for k in scored])
+        for c in comps:
+            c.step_advantages = np.zeros(len(c.token_ids), dtype=np.float32)
+        for k, v in zip(scored, per_tok):
+            comps[k].step_advantages = (self.dense_weight * v).astype(np.float32)
         varies = [any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G]) for i in range(len(groups))]
         return np.array(varies, dtype=bool)
 

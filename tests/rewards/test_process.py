@@ -281,3 +281,49 @@ def test_the_run_loader_refuses_a_bad_scorer_before_any_model(tmp_path):
     with pytest.raises(ValueError, match="config rewards.process.scorer: 'no_such_module_xyz:score': cannot import"):
         load_run(cfg, log=lambda m: None)
     assert not (tmp_path / "run").exists()  # nothing of the run was started
+
+
+def test_the_batched_token_values_match_token_steps_one_completion_at_a_time():
+    from fastgrpo.rewards.process import batch_token_values
+
+    rng = np.random.default_rng(0)
+    spans, values, lengths, text_lens, want = [], [], [], [], []
+    for j in range(60):
+        n = int(rng.integers(0, 30)) if j else 0  # a completion with no tokens too
+        lens = rng.integers(0, 4, size=n)  # zero-width tokens (eos) too
+        text_len = max(1, int(lens.sum()) - int(rng.integers(0, 3)))  # sometimes shorter: clamped
+        ends = np.minimum(np.cumsum(lens), text_len)
+        off = np.stack([np.concatenate([[0], ends[:-1]]), ends], axis=1) if n else np.zeros((0, 2), np.int64)
+        cuts = np.sort(rng.choice(np.arange(text_len + 2), size=min(int(rng.integers(2, 8)), text_len + 2), replace=False))
+        sp = [(int(a), int(b)) for a, b in zip(cuts[::2], cuts[1::2]) if b > a] or [(0, 1)]
+        v = rng.normal(size=len(sp))
+        k = token_steps(sp, off)
+        spans.append(sp), values.append(v), lengths.append(lens.tolist()), text_lens.append(text_len)
+        want.append(np.where(k >= 0, v[np.maximum(k, 0)], 0.0))
+    got = batch_token_values(spans, values, lengths, text_lens)
+    assert len(got) == 60 and sum(bool(np.any(w == 0) and np.any(w != 0)) for w in want) > 10
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("credit", ["step", "to_go"])
+def test_step_advantages_match_a_group_by_group_reference(credit):
+    rng = np.random.default_rng(1)
+    G = 4
+    scores = []
+    for j in range(40):
+        k = int(rng.integers(0, 5))
+        scores.append(None if k == 0 else rng.choice([0.0, 0.5, 1.0], size=k).tolist())
+    scores[8:12] = [[1.0, 1.0], [1.0], None, [1.0]]  # a σ = 0 group
+    got = step_advantages(scores, G, credit=credit)
+    for g in range(0, 40, G):
+        flat = [v for x in scores[g:g + G] if x for v in x]
+        for j in range(g, g + G):
+            if not scores[j]:
+                assert got[j] is None
+                continue
+            s = np.array(scores[j])
+            a = np.zeros_like(s) if len(set(flat)) == 1 else (s - np.mean(flat)) / (np.std(flat) + 1e-4)
+            want = np.cumsum(a[::-1])[::-1] if credit == "to_go" else a
+            np.testing.assert_allclose(got[j], want, rtol=1e-12, atol=1e-12)
+    assert got[8].tolist() == [0.0, 0.0]
