@@ -16,7 +16,11 @@ setting from the same weights and seed:
 Reported per setting: greedy held-out accuracy (all held-out sums, and those with a carry)
 after SFT and after GRPO, and the GRPO wall seconds. Held-out problems are never trained on.
 
-    python -m benchmarks.bench_process_rewards                     # seeds 0 1 2, 60 steps
+Measured (40 steps, seeds 0 / 1 / 2, greedy held-out accuracy after SFT 0.390 / 0.535 / 0.525 →):
+format 0.315 / 0.385 / 0.165, format+dense 0.565 / 0.825 / 0.830, accuracy 0.585 / 0.875 / 0.890,
+accuracy+dense 0.585 / 0.850 / 0.885 (README, "Process rewards", has the carry column).
+
+    python -m benchmarks.bench_process_rewards --steps 40          # seeds 0 1 2
     python -m benchmarks.bench_process_rewards --seeds 0 --steps 30
 """
 from __future__ import annotations
@@ -95,7 +99,7 @@ def run_seed(seed: int, steps: int, weight: float, settings) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--weight", type=float, default=1.0, help="rewards.process.dense_weight of the dense settings")
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = ap.parse_args(argv)
