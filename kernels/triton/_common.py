@@ -2,11 +2,11 @@
 one vocabulary block of a row tile, the logit soft cap (Gemma 2/3's final_logit_softcapping) and
 its derivative, and the autotune set-up shared by every kernel.
 
-Soft cap: c = cap·tanh(z/cap) with tanh from one exp, e = exp(−2|z|/cap), tanh = ±(1 − e)/(1 + e),
-and ∂c/∂z = 4e/(1 + e)² (= 1 − tanh², without the cancellation of 1 − t² where t rounds to ±1).
-Triton's core language has no tanh and libdevice's does not run under the interpreter; the
-absolute error of (1 − e)/(1 + e) is a few ulp of 1, so c is off by a few ulp of the cap, which is
-the size of the rounding of a capped logit near ±cap anyway.
+Soft cap: c = cap·tanh(z/cap) with tanh from one exp and one division, e = exp(−2|z|/cap),
+r = 2/(1 + e), tanh = ±(r − 1), and ∂c/∂z = e·r² (= 1 − tanh², without the cancellation of
+1 − t² where t rounds to ±1). Triton's core language has no tanh and libdevice's does not run
+under the interpreter; the absolute error of r − 1 is a few ulp of 1, so c is off by a few ulp of
+the cap, which is the size of the rounding of a capped logit near ±cap anyway.
 
 Online softmax follows Milakov & Gimelshein (2018) as used by Liger-Kernel and Apple's Cut
 Cross-Entropy; the entropy rides along as a second running sum. Departure from Liger: every
@@ -68,10 +68,9 @@ def softcap_grad(x, cap, inv_cap):
     """(cap·tanh(x/cap), ∂/∂x = 1 − tanh²(x/cap)) elementwise, in the dtype of x (see the module
     docstring). x = −inf gives (−cap, 0): a caller that pads with −inf re-masks afterwards."""
     e = tl.exp(-2.0 * tl.abs(x) * inv_cap)
-    d = 1.0 + e
-    t = (1.0 - e) / d
-    c = tl.where(x < 0, -t, t) * cap
-    return c, 4.0 * e / (d * d)
+    r = 2.0 / (1.0 + e)  # tanh|y| = r − 1 and 1 − tanh² = e·r²: one division, few live values
+    c = tl.where(x < 0, 1.0 - r, r - 1.0) * cap
+    return c, e * r * r
 
 
 @triton.jit

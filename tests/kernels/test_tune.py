@@ -27,7 +27,8 @@ class FakeKernel:
                 raise OutOfResources(300_000, 232_448, "shared memory")
             ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
             shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            self.launches.append(dict(grid=grid, ptrs=ptrs, shapes=shapes, cfg=cfg, consts=consts))
+            floats = [a for a in args if isinstance(a, float)]
+            self.launches.append(dict(grid=grid, ptrs=ptrs, shapes=shapes, cfg=cfg, consts=consts, floats=floats))
         return run
 
 
@@ -48,7 +49,8 @@ def gpu_path(monkeypatch, tmp_path):
     kernels = {}
     for mod, name in ((grpo_loss, "GRPO_LOSS_BWD"), (logprobs, "TOKEN_LOGPROBS_FWD")):
         fake = FakeKernel()
-        tk = _tune.TunedKernel(fake, getattr(mod, name).name, bench=bench, device_key=lambda: ("fake-H200@sm90", 9))
+        tk = _tune.TunedKernel(fake, getattr(mod, name).name, bench=bench, device_key=lambda: ("fake-H200@sm90", 9),
+                               heavy_flag=getattr(mod, name).heavy_flag)
         monkeypatch.setattr(mod, name, tk)
         kernels[name] = tk
     state["kernels"] = kernels
@@ -83,6 +85,24 @@ def test_backward_tuning_never_writes_or_clones_the_callers_buffer(gpu_path, mon
     n = len(fake.launches)
     grpo_loss.grpo_loss_bwd(logits, tgt, lse, g, h, ent, 1.0, out=logits)
     assert len(fake.launches) == n + 1
+
+
+def test_soft_capped_backward_tunes_among_fp32_sized_tiles_and_gets_the_cap_at_run_time(gpu_path):
+    """HAS_SOFTCAP is register-heavier: bf16 logits get the fp32-sized table (no 32-element tiles,
+    which took 151–166 registers or spilled on sm_90); the cap itself is a runtime argument."""
+    logits, tgt, lse, g, h, ent = _bwd_inputs(v=4096)
+    fake = gpu_path["kernels"]["GRPO_LOSS_BWD"].kernel
+    tried = {}
+    for cap in (None, 30.0):
+        del fake.launches[:]
+        grpo_loss.grpo_loss_bwd(logits, tgt, lse, g, h, ent, 1.0, softcap=cap)
+        tried[cap] = {launch["cfg"] for launch in fake.launches}
+        assert all(launch["consts"]["HAS_SOFTCAP"] == (cap is not None) for launch in fake.launches)
+        assert (30.0 in fake.launches[-1]["floats"]) == (cap is not None)  # the real launch: cap as a scalar
+    assert tried[None] == set(_tune.candidates(_tune.configs_for(_tune.SM90, 2), 4096, "a"))
+    heavy = set(_tune.candidates(_tune.configs_for(_tune.SM90, _tune.HEAVY_MIN_ELEM_BYTES), 4096, "a"))
+    assert tried[30.0] == heavy and tried[30.0] != tried[None]
+    assert all(c.elems_per_thread() <= 16 for c in heavy)
 
 
 def test_keys_hold_the_flags_and_an_n_bucket():
