@@ -8,8 +8,9 @@ after b tokens without think_end the interrupt string `rollout.interrupt` is for
 `rollout.answer_budget` tokens more); at b = 0 `fusion.think_start` + the interrupt are forced at
 once and only the answer is generated. Per (mode, fraction) the sweep reports accuracy (the
 task's accuracy reward), the mean / max number of sampled think tokens (before think_end or the
-interrupt: never more than b), the fraction interrupted, the fraction whose think span is empty
-(a direct answer) and the mean completion length. Departure from Qwen3: its curves are sampled
+interrupt: never more than b), the fraction interrupted, the fraction whose think span the model
+closed itself empty (a direct answer; an interrupted one never counts) and the mean completion
+length. Departure from Qwen3: its curves are sampled
 pass@1 over several runs; this is one greedy pass (deterministic, comparable before / after).
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ def run_sweep(engine, problems: Sequence, reward_fns, switch, cfg, full_budget: 
                     empty.append(closed)
                     continue
                 span = c.text.split(r.think_end, 1)[0].replace(f.think_start, "", 1)
-                empty.append(not span.strip())
+                empty.append(not span.strip() and 0 not in c.sampled_mask)  # closed by the model, not the interrupt
             rows.append({"mode": mode, "fraction": float(frac), "budget": int(b), "accuracy": float(np.mean(acc)),
                          "think_tokens_mean": float(np.mean(thinks)), "think_tokens_max": int(max(thinks)),
                          "interrupted": float(np.mean([0 in c.sampled_mask for c in comps])),

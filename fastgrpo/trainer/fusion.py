@@ -22,11 +22,12 @@ The stage (`fusion_stage`, `fastgrpo fuse`, or `fusion.enabled` after GRPO in `f
 4. The thinking-budget sweep before and after (`fastgrpo.trainer.budget_sweep`).
 
 Departures from Qwen3: the thinking traces are the RL model's own verified rollouts (Qwen3 uses
-rejection-sampled outputs of its stage-2 model, filtered further by hand-made rules), the
+rejection-sampled outputs of its stage-2 model on the stage-1 queries), the
 non-thinking answers are those traces' answers with the reasoning cut away (Qwen3 draws them
 from a separate, diverse instruction set), and `fusion.interrupted_fraction` (0 = off, Qwen3's
-recipe) can add thinking examples cut at a random point and closed by the interrupt string, for
-a model too small to learn on its own what to do after an interrupt.
+recipe) can add thinking examples whose reasoning is cut after a random number of tokens and
+closed by the interrupt string, for a model too small to learn on its own what to do after an
+interrupt (on the demo the Qwen3 recipe alone leaves a cliff: see the README's figures).
 """
 from __future__ import annotations
 
@@ -177,8 +178,10 @@ def build_mix(traces: Sequence[Trace], switch: ModeSwitch, cfg, tokenizer=None,
             if tokenizer is None:
                 raise ValueError("fusion.interrupted_fraction > 0: build_mix needs the tokenizer to cut traces")
             think = text.split(r.think_end, 1)[0]
-            ids = tokenizer(think, add_special_tokens=False)["input_ids"]
-            cut = tokenizer.decode(ids[: rng.randrange(len(ids) + 1)], skip_special_tokens=False)
+            opener = f.think_start if f.think_start and think.startswith(f.think_start) else ""
+            ids = tokenizer(think[len(opener):], add_special_tokens=False)["input_ids"]
+            # the reasoning cut after 0 .. all of its tokens (the opener kept, as a budget cut keeps it)
+            cut = opener + tokenizer.decode(ids[: rng.randrange(len(ids) + 1)], skip_special_tokens=False)
             text = cut + interrupt + answer_part(text, r.think_end)
         rows.append({"prompt": switch.prompt(t.problem.prompt, True), "completion": text, "mode": "think"})
     for t in draw(total - n_think):

@@ -129,7 +129,10 @@ def test_interrupted_thinking_examples(tmp_path):
         t = by_prompt[r["prompt"]]
         head, answer = r["completion"].rsplit("</think>", 1)
         assert answer == t.text.split("</think>")[1]
-        assert t.text.startswith(head) and r["completion"].count("</think>") == 1  # a prefix of the reasoning
+        assert head.startswith("<think>") and t.text.startswith(head)  # the opener + a prefix of the reasoning
+        assert r["completion"].count("</think>") == 1
+    heads = {r["completion"].rsplit("</think>", 1)[0] for r in rows}
+    assert "<think>" in heads and any(len(h) > len("<think>") for h in heads)  # cut anywhere, nothing to all
 
 
 # a tiny Qwen3-like template: the hard switch enable_thinking=False closes an empty think block
@@ -291,3 +294,18 @@ def test_fuse_command_bad_budget_fraction(tmp_path, capsys):
     rc = cli.main(["fuse", "--out", str(tmp_path / "f"), "--set", "fusion.budget_fractions=[0.5, 2]"])
     err = capsys.readouterr().err
     assert rc == 2 and "fusion.budget_fractions=[0.5, 2.0]" in err and not (tmp_path / "f").exists()
+
+
+def test_fusion_stage_after_grpo_in_train(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["train", "--out", str(out), "--set", "fusion.enabled=true", "--set", "steps=1",
+                   "--set", "sft.steps=80", "--set", "sft.batch_size=32", "--set", "sft.noise=0",
+                   "--set", "rollout.prompts_per_step=4", "--set", "eval.every=0", "--set", "fusion.steps=2",
+                   "--set", "fusion.budget_fractions=[0, 1]"] + [x for s in _FAST for x in ("--set", s)]
+                  + ["--set", "logging.progress=false"])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    summary = json.load(open(out / "summary.json"))
+    assert summary["fusion/traces"] > 0 and "fusion/before/think/accuracy@1" in summary
+    assert is_complete_model_dir(str(out / "fusion" / "model"))
+    assert os.path.isfile(out / "plots" / "budget_sweep.png") and os.path.isfile(out / "plots" / "accuracy.png")
