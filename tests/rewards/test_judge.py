@@ -64,6 +64,7 @@ def test_trained_reward_model_prefers_the_marker_batched_like_one_at_a_time(rm_p
     assert rm.texts(inputs)[0] == "a:x!"  # no chat template: prompt + completion
     grouped = RewardModelReward("g", RewardModelConfig(path=rm_path, device="cpu", normalize="group"))
     assert grouped(inputs) == pytest.approx(group_normalize(raw, 2))
+    assert grouped.metrics()["reward/g/raw_mean"] == pytest.approx(sum(raw) / 4)  # before normalisation
 
 
 def test_reward_model_uses_its_own_chat_template_with_the_rows_raw_prompt(rm_path, tmp_path):
@@ -147,7 +148,7 @@ def test_no_parsable_score_is_reported_and_scored_as_configured(judge_path):
     probs = [Problem(id=0, prompt="p", answer="")]
     per_fn, total, dropped, errors = score_groups(probs, groups, {"judge": j}, ["judge"], [1.0], error_score=-0.5)
     assert total.tolist() == [[-0.5, -0.5]] and not errors and not dropped
-    assert j.metrics() == {"reward/judge/scored": 2.0, "reward/judge/unparsable": 2.0}
+    assert j.metrics() == {"reward/judge/scored": 2.0, "reward/judge/unparsable": 2.0, "reward/judge/raw_mean": 0.0}
     g = JudgeReward("gen", _judge_cfg(judge_path, score="generate", labels=["no", "yes"], values=[0.0, 1.0]))
     assert g.parse("I'd say yes, not no") == 1.0 and g.parse("score 7 of 10") == 7.0 and g.parse("hmm") is None
     texts = [g.render("p", "c", "a")]
