@@ -22,8 +22,11 @@ the same for all G, drove held-out accuracy 0.815 → 0.005 (reward hacking of a
 chapter's point); routed, 0.815 → 0.535 while the RM's raw score on the open prompts rose
 −2.59 → 2.60 (a tiny model shares its weights between the kinds); routed with
 `rm_stage.beta=0.1` (KL to the RLVR model), 0.815 → 0.770 with the raw score −2.59 → 2.23
-(benchmarks/bench_rm_stage.py, benchmarks/results/rm_stage.json). Resume: a run started again with the same out_dir skips
-the RLVR stage once the stage has a checkpoint and resumes the stage from its latest one.
+(benchmarks/bench_rm_stage.py, benchmarks/results/rm_stage.json).
+
+Resume: a run started again with the same out_dir skips the RLVR stage once the stage has a
+checkpoint and resumes the stage from its latest one; the stage's model is built from the RLVR
+model first (its KL reference), then the checkpoint's weights are loaded.
 Departure from the papers: one prompt file holds both kinds (they mix data sources by sampler
 weights); weight the kinds by how many rows of each the file holds.
 """
