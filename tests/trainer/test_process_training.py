@@ -116,6 +116,7 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow  # ~25 s on 2 idle cores: SFT 450 steps once, then 2 × 16 GRPO steps
 def test_the_dense_step_signal_changes_what_the_demo_learns(tmp_path, restore_threads):
     """From one noisy SFT cold start, GRPO with the format reward alone (after SFT nearly every
     completion is well formed: groups of σ = 0, the chapter's stalled sparse outcome) against the
