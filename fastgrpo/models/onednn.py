@@ -51,6 +51,12 @@ from fastgrpo.native import cpuinfo
 # set on a model by use_onednn_linears: packed forwards then pad their row to the ladder
 ONEDNN_ATTR = "_fastgrpo_onednn_linears"
 MIN_ROWS = 128  # oneDNN's per-call cost loses below this (measured: tie at 128 rows, 1.5× at 256)
+# A product of at least this many multiply-adds goes to oneDNN at any row count ≥ MIN_ROWS: at
+# ≥ 2^28 MACs (≥ 2.4 ms at 220 GFLOP/s) building a primitive for a new row count (0.4–1.1 ms,
+# once per shape) costs less than MKL's AVX2 path loses on that one call. The lm_head of a
+# packed batch ([completion tokens, hidden] × [vocab, hidden]: 914 × 576 × 49 152 on SmolLM2)
+# has a new row count each step and is the largest product of the update.
+BIG_MACS = 1 << 28
 _MIN_STEP = 64  # the ladder's finest step (below 1024 rows), so a 129-token row pads to 192, not 256
 
 
@@ -127,14 +133,15 @@ def padded_rows(rows: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """`F.linear`, through oneDNN for float32 CPU inputs whose row count is on the ladder
-    (`padded_rows(rows) == rows`, ≥ MIN_ROWS) when enabled.
+    (`padded_rows(rows) == rows`, ≥ MIN_ROWS), or off it for products of ≥ BIG_MACS, when enabled.
     Falls back to `F.linear` under CPU autocast (which would cast to bf16), for ZeRO-3
     partitioned weights (DeepSpeed wraps F.linear for those) and inside `torch.compile` (the
     compiler picks its own GEMMs)."""
     if torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if (rows < MIN_ROWS or rows != padded_rows(rows) or x.device.type != "cpu" or x.dtype != torch.float32
+    big = rows * x.shape[-1] * (weight.shape[0] if weight.dim() == 2 else 0) >= BIG_MACS if rows else False
+    if (rows < MIN_ROWS or (rows != padded_rows(rows) and not big) or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or weight.dim() != 2 or (bias is not None and bias.dtype != torch.float32)
             or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu") or not _enabled()):
         return F.linear(x, weight, bias)

@@ -138,6 +138,27 @@ def test_linear_falls_back_to_f_linear(case, force, count_apply, monkeypatch):
     assert count_apply == []
 
 
+def test_a_big_product_off_the_ladder_goes_to_onednn(force, count_apply, monkeypatch):
+    """The lm_head of a packed batch: a new row count each step, but large enough that building
+    a primitive costs less than MKL's AVX2 path loses (BIG_MACS); smaller off-ladder products
+    stay on F.linear. Values and both gradients agree with F.linear."""
+    import fastgrpo.models.onednn as od
+
+    force(True)
+    monkeypatch.setattr(od, "BIG_MACS", (MIN_ROWS + 5) * 16 * 64)
+    x = torch.randn(MIN_ROWS + 5, 16, requires_grad=True)  # off the ladder
+    w = torch.randn(64, 16, requires_grad=True)
+    y = linear(x, w)
+    assert count_apply == [(MIN_ROWS + 5, 16)]
+    g = torch.randn_like(y)
+    y.backward(g)
+    check_gemm("y", y, x, w)
+    check_gemm("dx", x.grad, g, w.t())
+    check_gemm("dw", w.grad, g.t(), x.t())
+    linear(x.detach(), torch.randn(63, 16))  # 63 outputs: under the threshold, F.linear
+    assert len(count_apply) == 1
+
+
 def test_nan_inputs_propagate_not_crash(force):
     force(True)
     x = torch.randn(256, 16)
