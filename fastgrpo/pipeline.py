@@ -1,5 +1,7 @@
 """The R1-style pipeline behind the CLI: SFT cold start → held-out eval → GRPO → held-out eval,
-in one run folder (config.yaml, metrics.jsonl, tb/, plots/, sft/, checkpoints/, summary.json).
+in one run folder (config.yaml, metrics.jsonl, tb/, plots/, sft/, checkpoints/, summary.json);
+with `rm_stage.steps` > 0 then RM-GRPO on a mixed prompt set in <out>/rm_stage
+(fastgrpo/trainer/stages.py).
 
 `eval/accuracy` is logged to metrics.jsonl with step 0 for the SFT checkpoint and with the last
 GRPO step at the end. A killed run started again with the same out_dir resumes from its latest
@@ -49,10 +51,12 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     functions, SFT's need for reference completions. Raises ValueError naming the problem."""
     from fastgrpo.rewards.registry import build_rewards
     from fastgrpo.trainer.build import build_tokenizer
+    from fastgrpo.trainer.stages import check_stage
 
     tok, ctx = build_tokenizer(cfg.model)
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
+    check_stage(cfg, tok, task, ctx)  # rm_stage: its prompts and reward models, loaded now
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):  # an explicit checkpoint: checked now, not after an engine has started
         why = ckpt.verify_checkpoint(r) if os.path.isdir(r) else f"{r} is not a checkpoint folder"
@@ -128,7 +132,10 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
     lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
     with lock, graceful_signals(None), run_tmpdir(cfg.logging.out_dir):
-        return _train(cfg, log, loaded[1], want_sft)
+        from fastgrpo.trainer import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
+
+        done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
+        return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done else _train(cfg, log, loaded[1], want_sft))
 
 
 def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]:
@@ -196,6 +203,11 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]
             summary["accuracy_before"] = before
             log(f"[fastgrpo] held-out accuracy: {before if before is None else round(before, 3)} "
                 f"({'resumed run' if resume_path else start}) → {ev['eval/accuracy']:.3f} after {trainer.step_num} GRPO steps")
+        if cfg.fusion.enabled and trainer.rank == 0:  # thinking-mode fusion of the RL model (fastgrpo/trainer/fusion.py)
+            from fastgrpo.trainer.fusion import fusion_stage
+
+            trainer.sync_engine()
+            summary.update(fusion_stage(cfg, trainer.backend.module, tok, task, rewards, trainer.engine, log=log))
     finally:
         trainer.close()
     if cfg.logging.plots and trainer.rank == 0:

@@ -67,8 +67,9 @@ def call_reward(fn: Callable, inputs: RewardInputs) -> Sequence[Optional[float]]
 from fastgrpo.config import REWARD_NAMES as KNOWN, check_reward_name  # noqa: E402 (the names live with the config schema)
 
 
-def import_reward(path: str) -> Callable:
-    """The user function at `module:function` (a dotted module, importable or a .py file path)."""
+def import_reward(path: str, field: str = "rewards.functions") -> Callable:
+    """The user function at `module:function` (a dotted module, importable or a .py file path);
+    a failure raises ValueError naming the config `field`."""
     import importlib
     import importlib.util
     import os
@@ -84,10 +85,10 @@ def import_reward(path: str) -> Callable:
         else:
             module = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 — any failure of the user's import is reported with its path
-        raise ValueError(f"config rewards.functions: {path!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"config {field}: {path!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"config rewards.functions: {path!r}: {mod_name!r} has no callable {fn_name!r}")
+        raise ValueError(f"config {field}: {path!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
 
@@ -128,11 +129,12 @@ def user_reward(fn: Callable, name: str = "") -> Callable:
 class Rewards:
     """The rewards of a run: name → `@inputs_reward` callable, built once from the config and the
     task (`build_rewards`); holds the state some rewards keep (the Kimi gate), checkpointed with
-    `state_dict`."""
+    `state_dict`; `process` is the run's `ProcessReward` (rewards.process), None without one."""
 
-    def __init__(self, fns: Dict[str, Callable], gate=None):
+    def __init__(self, fns: Dict[str, Callable], gate=None, process=None):
         self.fns = fns
         self.gate = gate
+        self.process = process
 
     def __getitem__(self, name: str) -> Callable:
         return self.fns[name]
@@ -145,6 +147,10 @@ class Rewards:
 
     def get(self, name, default=None):
         return self.fns.get(name, default)
+
+    def metrics(self) -> Dict[str, float]:
+        """The counters some rewards keep about their last call (judge asks, unparsable scores)."""
+        return {k: v for fn in self.fns.values() if hasattr(fn, "metrics") for k, v in fn.metrics().items()}
 
     def state_dict(self) -> dict:
         return {"kimi_gate": self.gate.state_dict()} if self.gate is not None else {}
@@ -163,10 +169,13 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
     from fastgrpo.rewards.language import language_reward
     from fastgrpo.rewards.length import KimiLengthGate, kimi_length_reward, overlong_penalty
 
+    from fastgrpo.rewards.process import build_process
+
     task_fns = dict(task.reward_fns()) if hasattr(task, "reward_fns") else {}
     task_name = getattr(task, "name", type(task).__name__)
     fns: Dict[str, Callable] = {}
     gate = None
+    process = build_process(rcfg.process)  # its scorer imported here: a bad path fails at load
 
     def accuracy_of(inputs: RewardInputs):
         if "accuracy" in inputs.scores:
@@ -175,11 +184,23 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
             raise ValueError(f"task {task_name} defines no accuracy reward")
         return list(call_reward(task_fns["accuracy"], inputs))
 
+    models = getattr(rcfg, "models", None) or {}
     for i, name in enumerate(rcfg.functions):
-        why = check_reward_name(name, tuple(task_fns))
+        why = check_reward_name(name, tuple(task_fns) + tuple(models))
         if why is not None:
             raise ValueError(f"config rewards.functions[{i}]={name!r}: unknown reward; expected {why}")
-        if ":" in name:
+        if name in models and name not in task_fns:  # a reward model / judge (fastgrpo.rewards.judge), loaded once, here at load time
+            from fastgrpo.rewards.judge import load_model_reward
+
+            fns[name] = load_model_reward(name, models[name])
+        elif name == "accuracy" and getattr(rcfg, "accuracy_judge", ""):
+            from fastgrpo.rewards.judge import JudgedAccuracy, load_model_reward
+
+            if not hasattr(task, "extract"):
+                raise ValueError(f"config rewards.accuracy_judge={rcfg.accuracy_judge!r}: task {task_name}'s accuracy is "
+                                 "not the symbolic math verifier (the judge backs a math task's accuracy)")
+            fns[name] = JudgedAccuracy(load_model_reward(rcfg.accuracy_judge, models[rcfg.accuracy_judge]), task.extract)
+        elif ":" in name:
             fns[name] = user_reward(import_reward(name), name)
         elif name in task_fns:  # the task's own definition wins (e.g. its accuracy, its format)
             fn = task_fns[name]
@@ -187,6 +208,10 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
                 lambda inputs, fn=fn: fn(inputs.completions, inputs.answers))
         elif name == "accuracy":
             raise ValueError(f"config rewards.functions[{i}]='accuracy': task {task_name} defines no accuracy reward")
+        elif name == "process":
+            if process is None:
+                raise ValueError(f"config rewards.functions[{i}]='process': expected a step scorer in rewards.process.scorer")
+            fns[name] = process
         elif name == "format":
             think, answer, strict = rcfg.format_think_tag, rcfg.format_answer_tag, rcfg.format_strict
             fns[name] = inputs_reward(lambda inputs: format_reward(inputs.completions, think_tag=think,
@@ -220,4 +245,4 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
                 return code_reward(inputs.completions, tests, timeout)
 
             fns[name] = inputs_reward(code)
-    return Rewards(fns, gate)
+    return Rewards(fns, gate, process)

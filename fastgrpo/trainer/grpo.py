@@ -29,6 +29,7 @@ configured (`rewards.on_error`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import copy
 import random
@@ -42,9 +43,10 @@ import torch
 from fastgrpo.advantages import compute_advantages, zero_std_groups
 from fastgrpo.config import TrainConfig
 from fastgrpo.curriculum import dynamic_sampling
-from fastgrpo.models.packed import can_share_prefix, packing_attn_coef
+from fastgrpo.models.packed import can_share_prefix, head_softcap, packing_attn_coef
 from fastgrpo.packing import build_packed_batches, plan_micro_batches
 from fastgrpo.rewards.combine import score_groups
+from fastgrpo.rewards.process import token_advantages
 from fastgrpo.trainer.backend import zero_weighted_loss
 from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
                                     check_sync_sampling, sampling_config)
@@ -107,6 +109,8 @@ class Trainer(CheckpointMixin):
         self.engine = engine
         self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
         self.loss_cfg = cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        # Gemma 2/3's final-logit cap runs inside the loss and scoring kernels (no capped [N, V] copy)
+        self.loss_cfg = dataclasses.replace(self.loss_cfg, softcap=head_softcap(self.backend.module))
         self.sampling = sampling_config(cfg.rollout)
         self.timers = Timers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
         self.metrics = MetricsLogger(cfg.logging.out_dir, cfg.logging.tensorboard, enabled=self.rank == 0)
@@ -203,6 +207,9 @@ class Trainer(CheckpointMixin):
             per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
                                                           error_score=r.error_score, on_error=r.on_error,
                                                           step=self.step_num + 1)
+            process = getattr(self.reward_fns, "process", None)  # rewards.process: this batch's step scores → dense advantages
+            self._step_keep = process.attach_dense(problems, groups, self.tokenizer) if process and process.dense else None
+        errors = errors + (process.drain_errors() if process else [])
         for msg in errors:
             self.log(f"[fastgrpo] reward error: {msg}")
         self.reward_errors += len(errors)
@@ -217,8 +224,9 @@ class Trainer(CheckpointMixin):
             adv = adv.reshape(B, G)
             zero_std = zero_std_groups(flat, G).numpy()
             keep = np.ones(B, dtype=bool)
-            if cfg.algorithm.drop_zero_std:
-                keep &= ~zero_std
+            if cfg.algorithm.drop_zero_std:  # a group whose step scores vary keeps a (dense) signal
+                step_keep = getattr(self, "_step_keep", None)
+                keep &= ~zero_std if step_keep is None else ~zero_std | step_keep
             keep[list(dropped)] = False
             acc = per_fn.get("accuracy", (total > 0).astype(np.float64))
             # every rank scored only its shard: update with all ranks' results (in rank order)
@@ -251,7 +259,7 @@ class Trainer(CheckpointMixin):
                     continue
                 pid = self._prompt_ids[p.id]
                 prompts += [pid] * len(grp)
-                advs += adv_rows[i]
+                advs += [token_advantages(a, c) for a, c in zip(adv_rows[i], grp)]  # + dense step advantages
                 for j, c in enumerate(grp):
                     comps.append(c.token_ids)
                     ids.append((p.id, j))
@@ -285,11 +293,11 @@ class Trainer(CheckpointMixin):
     @torch.no_grad()
     def _logprobs_of(self, model, batch):
         from fastgrpo.loss import token_logprobs
-        from fastgrpo.models.packed import packed_logits
+        from fastgrpo.models.packed import packed_head_logits
 
-        logits = packed_logits(model, batch)
+        logits, cap = packed_head_logits(model, batch)  # a head's soft cap is applied in the kernel, as in the loss
         logp, _ = token_logprobs(logits, batch.targets.to(logits.device), self.loss_cfg.temperature,
-                                 impl=self.cfg.algorithm.loss_impl)
+                                 impl=self.cfg.algorithm.loss_impl, softcap=cap)
         return logp.float().cpu()
 
     def _old_logp(self, batches):
@@ -325,7 +333,8 @@ class Trainer(CheckpointMixin):
             if not bool(torch.isfinite(hidden).all()):
                 state.nonfinite = True
                 return zero_weighted_loss(model, hidden)
-            logits = lm_head_logits(model, hidden)  # the same logits as the model's forward (old / ref log-probs)
+            # the logits of the model's forward (old / ref log-probs) but for the cap, which the loss applies
+            logits = lm_head_logits(model, hidden, softcap=False)
             token_mean = self.loss_cfg.loss_agg == "token-mean"
             try:
                 out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
@@ -530,8 +539,8 @@ class Trainer(CheckpointMixin):
         logs["train/nan_skips"] = self.nan_skips
         logs["train/reward_errors"] = self.reward_errors
         logs["train/syncs_skipped"] = self.syncs_skipped
-        if hasattr(self.curriculum, "metrics"):
-            logs.update(self.curriculum.metrics())
+        for part in (self.curriculum, self.reward_fns):  # the sampler's and the rewards' own counters (judge asks)
+            logs.update(part.metrics() if hasattr(part, "metrics") else {})
         if cfg.algorithm.dynamic_sampling:
             logs.update(sampled.metrics())
         if cfg.checkpoint.every and self.step_num % cfg.checkpoint.every == 0:

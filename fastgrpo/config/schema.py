@@ -1,23 +1,10 @@
-"""Run configuration: one dataclass per concern, loaded from YAML with `--set a.b=value` overrides.
-
-Follows the house style (shared/DESIGN.md rule 5): every field carries an inline comment, YAML
-maps onto the dataclasses one key per field, and an unknown key or an invalid value fails at load
-time with the dotted field name (`algorithm.eps_low=-1: expected ...`). The defaults suit a
-pretrained model (RL learning rates, no SFT unless asked, the task's accuracy reward); the
-embedded demo (`fastgrpo train` with no arguments, fastgrpo/demo/default.py) sets its own values
-for its tiny from-scratch model. `AlgorithmConfig.loss_config()` maps the loss fields onto the
-kernels' `LossConfig`, which validates them once more.
-"""
+"""The run configuration's schema: one dataclass per concern, every field with an inline comment
+(shared/DESIGN.md rule 5), and the names of the built-in rewards. Loading, the value checks and
+`--set` overrides are fastgrpo/config/load.py; `fastgrpo.config` exports both."""
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
-
-import yaml
+from typing import Dict, List, Optional, Sequence
 
 
 @dataclass
@@ -86,6 +73,7 @@ REWARD_NAMES = {
     "kimi_length": "Kimi K1.5 length reward per group, on once a batch's accuracy reaches rewards.kimi_min_accuracy",
     "overlong": "DAPO soft overlong penalty over the last rewards.overlong_cache tokens of rollout.max_new_tokens",
     "code": "unit tests of the problem's `tests` run in the sandbox (rewards.code_timeout seconds each)",
+    "process": "step scores of rewards.process.scorer reduced to one reward (rewards.process.reduction: min | product | mean)",
 }
 
 
@@ -104,10 +92,37 @@ def check_reward_name(name: str, task_rewards: Sequence[str] = (), syntax_only: 
     return f"one of {sorted(set(REWARD_NAMES) | set(task_rewards))} or a user function as 'module:function'"
 
 
+@dataclass
+class ProcessConfig:
+    # process rewards (fastgrpo/rewards/process.py): steps of a completion scored one by one
+    scorer: str = ""  # "" = off | a built-in (arithmetic) | module:function / file.py:function, fn(prompt, steps, answer) -> one score per step
+    delimiter: str = "\n"  # steps = the non-blank pieces between delimiters (when regex is "")
+    regex: str = ""  # steps = the matches of this pattern (re.DOTALL), e.g. "<think>.*?</think>|<answer>.*?</answer>"
+    reduction: str = "min"  # the reward `process` in rewards.functions: min | product | mean of the step scores
+    dense_weight: float = 0.0  # w: token t of step k gets A_t = A_outcome + w·(group-normalised step score); 0 = off
+    dense_credit: str = "step"  # step (a token gets its own step's score) | to_go (the sum over its step and later ones, DeepSeekMath)
+
+
+@dataclass
+class RewardModelConfig:  # one entry of rewards.models (fastgrpo/rewards/judge.py)
+    kind: str = "classifier"  # classifier (AutoModelForSequenceClassification, one logit) | judge (a causal LM asked `rubric`)
+    path: str = ""  # HF model folder of the reward model / judge
+    device: str = "auto"  # its own torch device: auto (cuda when present, else cpu) | cpu | cuda:1 …
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (inference only, no optimizer)
+    batch_size: int = 16  # texts per forward
+    max_length: int = 0  # tokens per scored text, cut from the left (0 = the model's context)
+    normalize: str = "none"  # none (raw scores) | group (z-score within each group of G; a σ=0 group scores 0)
+    rubric: str = ""  # judge: the prompt, with {prompt} {completion} {answer} (chat template applied when it has one)
+    labels: List[str] = field(default_factory=lambda: [str(i) for i in range(10)])  # judge: answer strings, one token each
+    values: List[float] = field(default_factory=list)  # judge: the score of each label (empty = the labels read as numbers)
+    score: str = "logprobs"  # judge: logprobs (label probabilities at the next position) | generate (greedy text, first label or number)
+    min_mass: float = 1e-3  # judge logprobs: label probability below which an item has no score (→ rewards.error_score)
+    max_new_tokens: int = 16  # judge generate: tokens generated before parsing
+
 
 @dataclass
 class RewardsConfig:
-    # accuracy | format | language | kimi_length | overlong | code, or a user function as module:function
+    # accuracy | format | language | kimi_length | overlong | code | process (rewards.process), or a user function as module:function
     # (TRL's reward-function signature accepted; fastgrpo/rewards/registry.py)
     functions: List[str] = field(default_factory=lambda: ["accuracy"])
     weights: List[float] = field(default_factory=lambda: [1.0])  # weight of each function in the total
@@ -121,6 +136,9 @@ class RewardsConfig:
     kimi_min_step: int = 0  # kimi_length: also on after this many steps (0 = only by accuracy)
     overlong_cache: int = 0  # overlong: DAPO's L_cache, the last tokens of rollout.max_new_tokens penalised (0 = a quarter)
     code_timeout: float = 5.0  # code: seconds per program run in the sandbox
+    models: Dict[str, RewardModelConfig] = field(default_factory=dict)  # name → reward model / judge, listed by name in functions
+    accuracy_judge: str = ""  # math accuracy: a judge of `models` asked only when the symbolic parse fails ("" = off)
+    process: ProcessConfig = field(default_factory=ProcessConfig)  # process (step-level) rewards
 
 
 @dataclass
@@ -237,6 +255,41 @@ class GuardConfig:
 
 
 @dataclass
+class RMStageConfig:  # the second stage after RLVR: GRPO on a mixed prompt set (fastgrpo/trainer/stages.py)
+    steps: int = 0  # GRPO steps of the stage (0 = no second stage)
+    prompts: Optional[str] = None  # mixed prompt set (.jsonl, … as data.path): rows with a prompt, an answer where verifiable
+    functions: List[str] = field(default_factory=list)  # the stage's rewards (names as in rewards.functions or rewards.models)
+    weights: List[float] = field(default_factory=list)  # one weight per functions entry
+    lr: float = 0.0  # the stage's peak learning rate (0 = optimizer.lr)
+    route: bool = True  # R1's split: rewards.models score only rows without an answer (false: every row)
+    beta: float = 0.0  # the stage's KL weight to its start (the RLVR model) as the reference (0 = algorithm.beta)
+
+
+@dataclass
+class FusionConfig:
+    # thinking-mode fusion (Qwen3 §4.3; fastgrpo/trainer/fusion.py): SFT on the RL model's verified traces + direct answers
+    enabled: bool = False  # run it after GRPO in `fastgrpo train` (`fastgrpo fuse` runs it on a trained model alone)
+    group_size: int = 4  # completions sampled per train prompt to find verified traces
+    max_prompts: int = 0  # train prompts sampled for traces (0 = all)
+    temperature: float = 1.0  # sampling temperature of the trace collection (0 = greedy: one trace per prompt)
+    min_accuracy: float = 1.0  # a trace is kept when its accuracy reward reaches this (1 = only reward-1 traces; format 1 too when the run has it)
+    think_ratio: float = 0.5  # fraction of thinking examples in the mix (the rest answer directly)
+    mix_size: int = 0  # examples in the mix (0 = two per verified trace)
+    think_flag: str = ""  # appended to the user's message in thinking mode (Qwen3's soft switch: " /think"; "" = the prompt as RL saw it)
+    no_think_flag: str = " /no_think"  # appended to the user's message in non-thinking mode
+    no_think_prefix: str = "<think></think>"  # opens a direct answer: the empty think block (Qwen3: "<think>\n\n</think>\n\n"); the template's when it switches
+    template_switch: str = "auto"  # auto: the chat template's enable_thinking when it reads one | always (required) | never (flags only)
+    think_start: str = "<think>"  # opens the reasoning: a budget of 0 forces think_start + rollout.interrupt
+    interrupted_fraction: float = 0.0  # departure from Qwen3: thinking examples cut at a random point and closed by rollout.interrupt (0 = off)
+    steps: int = 100  # SFT optimizer steps on the mix
+    batch_size: int = 0  # sequences per SFT step (0 = sft.batch_size)
+    lr: float = 0.0  # SFT learning rate on the mix (0 = sft.lr)
+    budget_fractions: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # sweep: fractions of the full thinking budget
+    full_budget: int = 0  # sweep: the thinking budget at fraction 1, tokens (0 = the longest think span of the verified traces)
+    sweep_before: bool = True  # sweep the RL model too, before fusion (the baseline of plots/budget_sweep.png)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # GRPO steps (rollout batches)
     seed: int = 0  # global seed (python, numpy, torch, sampling)
@@ -257,239 +310,5 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
-
-
-# ---------------------------------------------------------------------------------------------
-# value checks: (field path, predicate, expected form)
-# ---------------------------------------------------------------------------------------------
-
-def _choice(*opts):
-    return (lambda v: v in opts), f"one of {list(opts)}"
-
-
-_POS = (lambda v: v > 0), "a number > 0"
-_NONNEG = (lambda v: v >= 0), "a number >= 0"
-_PROB = (lambda v: 0 <= v <= 1), "a number in [0, 1]"
-_POS_INT = (lambda v: v >= 1), "an integer >= 1"
-
-_CHECKS = {
-    "steps": _NONNEG, "max_nan_skips": _POS_INT, "threads": _NONNEG,
-    "model.arch": _choice("qwen2", "llama"), "model.dtype": _choice("float32", "bfloat16"),
-    "model.hidden_size": _POS_INT, "model.num_hidden_layers": _POS_INT,
-    "model.intermediate_size": _POS_INT, "model.num_attention_heads": _POS_INT,
-    "data.task": _choice("auto", "arithmetic", "math", "code", "jsonl"),
-    "data.eval_fraction": ((lambda v: 0 <= v < 1), "a number in [0, 1)"), "data.few_shot": _NONNEG,
-    "data.chat_template": _choice("auto", "on", "off"), "data.max_prompt_tokens": _NONNEG, "data.limit": _NONNEG, "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"),
-    "data.num_heldout": _NONNEG,
-    "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
-    "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    "rollout.top_k": ((lambda v: v >= -1), "0 (off) or an integer >= 1"),
-    "rollout.max_new_tokens": _POS_INT, "rollout.thinking_budget": _NONNEG, "rollout.answer_budget": _POS_INT,
-    "rollout.max_model_len": _NONNEG, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    "rewards.on_error": _choice("zero", "drop"), "rewards.kimi_min_accuracy": _PROB, "rewards.kimi_min_step": _NONNEG,
-    "rewards.overlong_cache": _NONNEG, "rewards.code_timeout": _POS,
-    "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
-    "algorithm.inner_steps": _POS_INT, "algorithm.dynamic_max_rounds": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
-    "algorithm.weighting": _choice("inverse_pass", "uniform"),
-    "algorithm.loss_impl": _choice("auto", "reference", "torch", "triton"),
-    "packing.max_tokens": _POS_INT,
-    "optimizer.lr": _POS, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS, "optimizer.max_grad_norm": _NONNEG,
-    "optimizer.schedule": _choice("constant", "linear", "cosine"), "optimizer.warmup_steps": _NONNEG,
-    "optimizer.min_lr_ratio": _PROB,
-    "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
-    "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
-    "sync.every": _POS_INT,
-    "guard.max_weight_growth": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"), "guard.grad_spike": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"),
-    "guard.grad_spike_warmup": _NONNEG,
-    "logging.log_every": _POS_INT,
-    "checkpoint.every": _NONNEG, "checkpoint.keep_last": _POS_INT,
-    "distributed.backend": _choice("none", "deepspeed", "ddp"), "distributed.zero_stage": _choice(0, 1, 2, 3),
-    "distributed.rank": _NONNEG, "distributed.world_size": _POS_INT, "distributed.local_rank": _NONNEG,
-}
-
-
-def _bad(path: str, value, want: str):
-    raise ValueError(f"config {path}={value!r}: expected {want}")
-
-
-def _coerce(path: str, value, tp):
-    """Check `value` against the annotated type `tp`; ints are accepted for floats."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(path, value, args[0])
-    if origin in (dict, Dict):
-        kt, vt = typing.get_args(tp) or (Any, Any)
-        if not isinstance(value, dict):
-            _bad(path, value, "a mapping")
-        return {_coerce(f"{path}.{k}", k, kt): _coerce(f"{path}.{k}", v, vt) for k, v in value.items()}
-    if origin in (list, List, Sequence):
-        (item,) = typing.get_args(tp) or (Any,)
-        if not isinstance(value, (list, tuple)):
-            _bad(path, value, f"a list of {getattr(item, '__name__', item)}")
-        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            _bad(path, value, "true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _bad(path, value, "an integer")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _SCI.match(value.strip()):  # YAML 1.1 leaves "1e-3" a string
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            _bad(path, value, "a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _bad(path, value, "a string")
-        return value
-    return value
-
-
-def _from_dict(cls, data: Dict[str, Any], prefix: str = ""):
-    if not isinstance(data, dict):
-        _bad(prefix.rstrip(".") or "<root>", data, f"a mapping of {cls.__name__} fields")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ValueError(f"config {prefix}{unknown[0]}: unknown field; {cls.__name__} has {sorted(names)}")
-    kwargs = {}
-    for k, v in data.items():
-        tp = hints[k]
-        if dataclasses.is_dataclass(tp):
-            kwargs[k] = _from_dict(tp, v, f"{prefix}{k}.")
-        else:
-            kwargs[k] = _coerce(f"{prefix}{k}", v, tp)
-    return cls(**kwargs)
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Range / choice checks of every field (types were checked while loading)."""
-    if cfg.model.dtype == "float16":
-        _bad("model.dtype", "float16", "float32 or bfloat16: float16 parameters under AdamW without a loss scale "
-             "overflow to NaN (bfloat16 has the same memory and float32's range)")
-    flat = to_dict(cfg)
-    for path, (ok, want) in _CHECKS.items():
-        value = flat
-        for part in path.split("."):
-            value = value[part]
-        if not ok(value):
-            _bad(path, value, want)
-    for i, name in enumerate(cfg.rewards.functions):
-        why = check_reward_name(name, syntax_only=True)
-        if why is not None:
-            _bad(f"rewards.functions[{i}]", name, why)
-    if len(cfg.rewards.functions) != len(cfg.rewards.weights):
-        # a typo in a name is the likelier fault than the weights: say so first
-        for i, name in enumerate(cfg.rewards.functions):
-            why = check_reward_name(name)
-            if why is not None:
-                _bad(f"rewards.functions[{i}]", name, f"{why} (and rewards.weights one weight per entry)")
-        _bad("rewards.weights", cfg.rewards.weights, f"{len(cfg.rewards.functions)} weights, one per rewards.functions entry")
-    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
-        _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
-    if cfg.data.task in ("math", "code", "jsonl") and not cfg.data.path:
-        _bad("data.path", cfg.data.path, f"a data file, dataset folder or hub id when data.task={cfg.data.task}")
-    if cfg.data.task == "arithmetic" and cfg.data.path:
-        _bad("data.task", cfg.data.task, "math or code (or auto) when data.path is given (arithmetic is the built-in task)")
-    if cfg.data.answer_format not in ("auto", "tags", "boxed", "gsm8k", "last_number") and not cfg.data.answer_format.startswith("regex:"):
-        _bad("data.answer_format", cfg.data.answer_format, "one of auto, tags, boxed, gsm8k, last_number, regex:<pattern>")
-    known_cols = ("prompt", "messages", "answer", "tests", "id", "completion")
-    for k, v in cfg.data.columns.items():
-        if k not in known_cols:
-            _bad(f"data.columns.{k}", v, f"a mapping from problem fields {list(known_cols)} to column names")
-    r = cfg.rollout
-    if any(not x for x in r.stop):
-        _bad("rollout.stop", r.stop, "non-empty stop strings")
-    if r.thinking_budget and r.thinking_budget + r.answer_budget > r.max_new_tokens:
-        _bad("rollout.thinking_budget", r.thinking_budget, f"thinking_budget + answer_budget ({r.answer_budget}) <= "
-             f"rollout.max_new_tokens={r.max_new_tokens} (the interrupt's tokens count too; the loss normalises by that cap)")
-    if r.thinking_budget and not r.think_end:
-        _bad("rollout.think_end", r.think_end, "the string that closes the reasoning when thinking_budget is set")
-    if cfg.eval.num_samples > 1 and cfg.eval.temperature == 0:
-        _bad("eval.temperature", cfg.eval.temperature, "> 0 when eval.num_samples > 1 (pass@k needs sampling)")
-    for i, k in enumerate(cfg.eval.pass_k):
-        if not 1 <= k <= cfg.eval.num_samples:
-            _bad(f"eval.pass_k[{i}]", k, f"an integer in [1, eval.num_samples={cfg.eval.num_samples}]")
-    if cfg.distributed.rank >= cfg.distributed.world_size:
-        _bad("distributed.rank", cfg.distributed.rank, f"< distributed.world_size={cfg.distributed.world_size}")
-    try:
-        cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-    except ValueError as e:  # LossConfig names its own field; name it as the config's field
-        raise ValueError(f"config {str(e).replace('LossConfig.', 'algorithm.')}") from None
-    return cfg
-
-
-def to_dict(cfg) -> Dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-_SCI = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
-
-
-def parse_override(item: str):
-    """`a.b=value` → (["a", "b"], value parsed as YAML: 3 → int, 1e-3 → float, [1, 2] → list)."""
-    if "=" not in item:
-        raise ValueError(f"--set {item!r}: expected the form section.field=value, e.g. optimizer.lr=1e-3")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ValueError(f"--set {item!r}: empty field name before '='")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    # YAML 1.1 reads "1e-3" as a string (its floats need a dot); take it as the float a user means
-    if isinstance(value, str) and _SCI.match(value.strip()):
-        value = float(value)
-    return key.split("."), value
-
-
-def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    for item in overrides or ():
-        keys, value = parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            nxt = node.setdefault(k, {})
-            if not isinstance(nxt, dict):
-                raise ValueError(f"--set {item!r}: {k} is a value, not a section")
-            node = nxt
-        node[keys[-1]] = value
-    return data
-
-
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), base: Optional[Dict[str, Any]] = None) -> TrainConfig:
-    """Defaults ← `base` dict ← YAML file at `path` ← `--set` overrides; then validate."""
-    data: Dict[str, Any] = {}
-    if base:
-        data = _merge(data, base)
-    if path:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {path}: expected a YAML mapping of sections, got {type(loaded).__name__}")
-        data = _merge(data, loaded)
-    data = apply_overrides(data, overrides)
-    return validate(_from_dict(TrainConfig, data))
-
-
-def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def dump_config(cfg: TrainConfig, path: str) -> None:
-    """Write the config as YAML: a temp file, fsynced, renamed over `path` (never a torn file)."""
-    import os
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    rm_stage: RMStageConfig = field(default_factory=RMStageConfig)
