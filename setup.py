@@ -5,7 +5,8 @@ leaves a working, slower install instead of no install."""
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ext_modules = []
 cmdclass = {}
@@ -22,13 +23,28 @@ if os.environ.get("FASTGRPO_NO_EXT", "0") != "1":
     ]
     cmdclass = {"build_ext": build_ext}
 
+def _packages():
+    """Every package under fastgrpo/ and kernels/ (installed as fastgrpo.kernels)."""
+    found = ["fastgrpo." + p for p in find_packages("fastgrpo")]
+    return ["fastgrpo", "fastgrpo.kernels"] + found + ["fastgrpo.kernels." + p for p in find_packages("kernels")]
+
+
+class build_py_with_jit(build_py):
+    """Also installs csrc/jit/ (the JIT-built host kernels) as fastgrpo/native/csrc/, where
+    fastgrpo/native/jit.py looks for it outside a source checkout."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "fastgrpo", "native", "csrc")
+        self.mkpath(dst)
+        for src in sorted(glob.glob(os.path.join("csrc", "jit", "*"))):
+            self.copy_file(src, os.path.join(dst, os.path.basename(src)))
+
+
+cmdclass["build_py"] = build_py_with_jit
 setup(
-    packages=["fastgrpo", "fastgrpo.kernels"]
-    + [f"fastgrpo.{p}" for p in ("rewards", "rollout", "sync", "integrations", "demo")],
+    packages=_packages(),
     package_dir={"fastgrpo": "fastgrpo", "fastgrpo.kernels": "kernels"},
-    # the native sources, JIT-compiled for the host on first use (fastgrpo/_jit.py)
-    package_data={"fastgrpo.rollout": ["lean_step.cpp", "sample_step.cpp"],
-                  "fastgrpo": ["train_ops.cpp", "train_attn.cpp", "native_math.h"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
