@@ -172,7 +172,22 @@ def _packed_loss(model, request: _LossRequest, backbone_out):
         # the fused path re-reads the weight in its backward): call the module, loss on logits
         logits = head(h)
         return grpo_loss(logits.float() if request.fp32_head else logits, request.targets, f["advantages"], **kw)
-    return fused_linear_grpo_loss(h, weight, request.targets, f["advantages"], bias=bias, **kw)
+    # Under autocast (TRL's bf16=True / fp16=True; on CPU too) the head's matmuls run in the autocast
+    # dtype, as TRL's lm_head does, but the fused kernel writes its gradients into buffers of the
+    # inputs' dtype: cast explicitly and run the kernel with autocast off (cast_lm_head_to_fp32: fp32).
+    amp = _autocast_dtype(h.device)
+    if amp is not None and not request.fp32_head and h.dtype != torch.float64:
+        h, weight = h.to(amp), weight.to(amp)
+        bias = None if bias is None else bias.to(amp)
+    with torch.autocast(h.device.type, enabled=False):
+        return fused_linear_grpo_loss(h, weight, request.targets, f["advantages"], bias=bias, **kw)
+
+
+def _autocast_dtype(device: torch.device):
+    """The autocast dtype in force on `device`'s type, or None."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
 
 
 def _head_inputs(model, request: _LossRequest, backbone_out):
@@ -415,9 +430,15 @@ def patch_trl_loss(trainer: GRPOTrainer) -> GRPOTrainer:
     _install_forward(model)
     trainer._trl_compute_loss = types.MethodType(GRPOTrainer._compute_loss, trainer)
     if not isinstance(trainer, FastGRPOTrainer):
-        trainer._compute_loss = types.MethodType(fastgrpo_compute_loss, trainer)
+        trainer._compute_loss = types.MethodType(_compute_loss_entry, trainer)
     trainer._fastgrpo_calls, trainer._fastgrpo_fallbacks, trainer._fastgrpo_patched = 0, 0, True
     trainer.fastgrpo_stats = FastGRPOStats()
+    if getattr(trainer, "use_liger_kernel", False) and hasattr(GRPOTrainer, "compute_liger_loss"):
+        # a TRL with `compute_liger_loss` (1.0-1.9 among them) sends every micro-batch to Liger's
+        # fused GRPO loss and never calls `_compute_loss`: say so rather than count nothing
+        warnings.warn("fastgrpo: use_liger_kernel=True: this TRL computes the loss with Liger's "
+                      "compute_liger_loss, not with `_compute_loss`; fastgrpo's loss is not used (set "
+                      "use_liger_kernel=False for it)", stacklevel=3)
     train = trainer.train
 
     @functools.wraps(train)
@@ -440,5 +461,25 @@ class FastGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         patch_trl_loss(self)
 
-    def _compute_loss(self, model, inputs):
-        return fastgrpo_compute_loss(self, model, inputs)
+    def _compute_loss(self, model, inputs, *args, **kwargs):
+        return _compute_loss_entry(self, model, inputs, *args, **kwargs)
+
+
+def _compute_loss_entry(trainer, model, inputs, *args, **kwargs):
+    """`_compute_loss` of a patched trainer. A TRL whose `_compute_loss` takes more than
+    (model, inputs): what those arguments mean is unknown here, so TRL computes such micro-batches
+    (warned once naming them, counted as fallbacks)."""
+    if args or kwargs:
+        return _trl_loss_for_unknown_arguments(trainer, model, inputs, args, kwargs)
+    return fastgrpo_compute_loss(trainer, model, inputs)
+
+
+def _trl_loss_for_unknown_arguments(trainer, model, inputs, args, kwargs):
+    if not isinstance(getattr(trainer, "fastgrpo_stats", None), FastGRPOStats):
+        trainer.fastgrpo_stats = FastGRPOStats()
+    names = ", ".join([f"arg{i + 3}" for i in range(len(args))] + sorted(kwargs))
+    key, reason = "compute_loss_arguments", f"_compute_loss({names}) (arguments this TRL passes that fastgrpo does not know)"
+    _announce(trainer, "fallback", key, reason)
+    loss = trainer._trl_compute_loss(model, inputs, *args, **kwargs)
+    _record(trainer, "fallback", key, reason)
+    return loss

@@ -6,6 +6,7 @@
 2. `FastGRPOTrainer` trains 2 steps end to end (generation, rewards, loss, optimizer) with every
    loss computed by fastgrpo.
 """
+import os
 import types
 from collections import defaultdict
 
@@ -183,3 +184,137 @@ def test_fast_trainer_objective_path_with_accumulation_and_eval(tmp_path):
     row = [h for h in trainer.state.log_history if "fastgrpo/microbatches_fastgrpo" in h][-1]
     assert row["fastgrpo/microbatches_fastgrpo"] == stats.computed and row["fastgrpo/microbatches_fallback"] == 0
     assert row["fastgrpo/objective/loss_type_cispo"] == stats.computed
+
+
+@pytest.mark.parametrize("fp32_head", [False, True], ids=["autocast-head", "cast_lm_head_to_fp32"])
+def test_fused_path_under_autocast(fp32_head):
+    """TRL's default bf16=True runs `_compute_loss` under the accelerator's autocast (on CPU too:
+    TRL's CPU tests set use_cpu with bf16). The fused kernel writes its gradients into buffers of
+    the inputs' dtype, which autocast's bf16 matmuls do not match: it raised 'Expected out tensor
+    to have dtype c10::BFloat16' (found by TRL's own test_train on the drop-in). Now the head runs
+    in the autocast dtype as TRL's does (fp32 with cast_lm_head_to_fp32), autocast off in the kernel."""
+    model, _ = build_tiny_model("qwen2", seed=0, dtype=torch.float32, num_hidden_layers=1)
+    model.train()
+    add_fused_lm_head(model, temperature=TAU, outputs=("log_probs", "entropy"))
+    _install_forward(model)
+    inputs, _ = padded_batch(model)
+    trl_t, ours_t = (_stand_in(model, "dapo", "token", 0.28, None, 0.04, True) for _ in range(2))
+    for t in (trl_t, ours_t):
+        t.accelerator.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        t.args.cast_lm_head_to_fp32 = fp32_head
+    trl_loss, g_trl = _loss_and_grads(trl_t._trl_compute_loss, model, inputs)
+    loss, g = _loss_and_grads(lambda m, x: fastgrpo_compute_loss(ours_t, m, x), model, inputs)
+    assert ours_t.fastgrpo_stats.fused == 1
+    assert abs(loss - trl_loss) <= 2e-2 * max(1.0, abs(trl_loss)), (loss, trl_loss)
+    assert set(g) == set(g_trl)
+    for name, gt in g_trl.items():
+        cos = torch.nn.functional.cosine_similarity(g[name].flatten().double(), gt.flatten().double(), dim=0)
+        assert bool(torch.isfinite(g[name]).all()) and float(cos) > 0.98, (name, float(cos))
+
+
+def test_unknown_compute_loss_arguments_fall_back_to_trl_warned_once(setup):
+    """A TRL whose `_compute_loss` passes more than (model, inputs) (the signature has been
+    (model, inputs) throughout TRL 1.x): fastgrpo does not guess what they mean; TRL computes
+    those micro-batches, warned once naming the argument, counted."""
+    from fastgrpo.integrations.trl import _compute_loss_entry
+
+    model, inputs = setup
+    t = _stand_in(model, "dapo", "token", 0.28, None, 0.0, False)
+    seen = []
+    t._trl_compute_loss = lambda m, x, *a, **kw: seen.append(kw) or torch.tensor(1.5)
+    with pytest.warns(UserWarning, match="num_items_in_batch"):
+        loss = _compute_loss_entry(t, model, inputs, num_items_in_batch=7)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compute_loss_entry(t, model, inputs, num_items_in_batch=7)  # no second warning
+    assert float(loss) == 1.5 and seen == [{"num_items_in_batch": 7}] * 2
+    assert sum(t.fastgrpo_stats.fallback.values()) == 2 and t.fastgrpo_stats.computed == 0
+
+
+def test_patch_warns_when_trl_routes_the_loss_to_liger(monkeypatch):
+    """TRL 1.0-1.9 send every micro-batch to `compute_liger_loss` when use_liger_kernel=True,
+    bypassing `_compute_loss`: the drop-in says so instead of silently computing nothing."""
+    model, _ = build_tiny_model("qwen2", seed=0, num_hidden_layers=1)
+    monkeypatch.setattr(trl_grpo.GRPOTrainer, "compute_liger_loss", lambda self, m, x: None, raising=False)
+    t = object.__new__(trl_grpo.GRPOTrainer)
+    t.model, t.use_liger_kernel, t.train = model, True, lambda: None
+    with pytest.warns(UserWarning, match="use_liger_kernel=True"):
+        patch_trl_loss(t)
+
+
+# ------------------------------------------------ the runner of TRL's own GRPO suite (benchmarks/trl_suite)
+
+
+def test_trl_suite_runner_refuses_a_missing_trl_path(tmp_path):
+    from benchmarks.trl_suite.run import find_test_file
+
+    with pytest.raises(SystemExit, match="--trl PATH is required"):
+        find_test_file(None)
+    with pytest.raises(SystemExit, match="no TRL GRPO test file"):
+        find_test_file(str(tmp_path / "no-trl-here"))
+
+
+_TOY_TRL_TEST = '''
+import os
+
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOTrainer
+
+from .testing_utils import is_joblib_available  # noqa: F401  (absent from TRL 1.16: the plugin adds it)
+
+
+def test_stand_ins_answer_the_hub_ids():
+    ds = load_dataset("trl-internal-testing/zen", "standard_prompt_only", split="train")
+    assert len(ds) == 17 and ds.column_names == ["prompt"] and isinstance(ds[0]["prompt"], str)
+    conv = load_dataset("trl-internal-testing/zen", "conversational_prompt_only", streaming=True)
+    assert next(iter(conv["test"]))["prompt"][0]["role"] == "user"
+    model = AutoModelForCausalLM.from_pretrained("trl-internal-testing/tiny-Gemma2ForCausalLM")
+    tok = AutoTokenizer.from_pretrained("trl-internal-testing/tiny-Gemma2ForCausalLM")
+    assert type(model).__name__ == "Gemma2ForCausalLM" and str(model.dtype) == "torch.bfloat16"
+    assert model.config.vocab_size >= len(tok) and "<start_of_turn>" in tok.chat_template
+
+
+def test_trainer_is_substituted():
+    assert (GRPOTrainer.__name__ == "FastGRPOTrainer") == (os.environ["FASTGRPO_TRL_SUITE_TRAINER"] == "fastgrpo")
+
+
+def test_passes_with_stock_only():
+    assert GRPOTrainer.__name__ == "GRPOTrainer"
+'''
+
+
+def test_trl_suite_runner_plumbing_on_a_toy_suite(tmp_path, capsys):
+    """The runner stages a TRL tests folder, builds the stand-in it names, runs it with both
+    trainers (offline hub cache, zen datasets, trainer substitution, import_utils shim) and
+    reports the test that passes only with stock GRPOTrainer."""
+    from benchmarks.trl_suite.run import main
+
+    tests = tmp_path / "trl" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "__init__.py").write_text("")
+    (tests / "conftest.py").write_text("")
+    (tests / "testing_utils.py").write_text("from trl.import_utils import is_joblib_available, is_vllm_available\n")
+    (tests / "test_grpo_trainer.py").write_text(_TOY_TRL_TEST)
+    rc = main(["--trl", str(tmp_path / "trl"), "--work", str(tmp_path / "work"), "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "stock GRPOTrainer: 3 ran / 3 passed / 0 failed / 0 skipped" in out, out
+    assert "FastGRPOTrainer: 3 ran / 2 passed / 1 failed / 0 skipped" in out, out
+    assert rc == 1 and "test_grpo_trainer.py::test_passes_with_stock_only" in out.split("but not with")[1]
+    built = os.listdir(tmp_path / "work" / "hub")
+    assert built == ["models--trl-internal-testing--tiny-Gemma2ForCausalLM"], built  # only what the file names
+
+
+def test_trl_suite_qwen_stand_in_tokenizer_keeps_the_ids_trl_tests_hard_code():
+    from benchmarks.trl_suite.stand_ins import build_tokenizer
+
+    tok = build_tokenizer("qwen3")
+    assert len(tok) == 151669 and (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    call = [151657, 198, 4913, 606, 788, 330, 7692, 93054, 22785, 497, 330, 16370, 788, 5212, 64, 788, 220, 18, 11,
+            330, 65, 788, 220, 19, 11248, 151658, 151645]
+    assert tok.decode(call) == '<tool_call>\n{"name": "async_multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
+    assert tok.decode([40, 2765, 944, 16252, 151645, 151643], skip_special_tokens=True) == "I won't increment"
+    assert tok.decode([17453, 0, 151645]) == "Done!<|im_end|>"
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [151667, 151668]
