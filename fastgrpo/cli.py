@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def uses_demo(args) -> bool:
     """The embedded demo's settings apply when there is no --config and model.path is not set
     to anything but the demo's tiny model; a user's checkpoint starts from the library defaults
-    (fastgrpo/config.py: settings for a pretrained model)."""
+    (fastgrpo/config/schema.py: settings for a pretrained model)."""
     from fastgrpo.config import parse_override
 
     if args.config:

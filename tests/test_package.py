@@ -59,9 +59,16 @@ def test_a_built_wheel_holds_every_module_and_the_jit_sources(tmp_path):
     import pathlib
     import zipfile
 
+    import shutil
+
     root = pathlib.Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info next to setup.py
+    for name in ("fastgrpo", "kernels", "csrc"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(root / name, src / name)
     env = dict(os.environ, FASTGRPO_NO_EXT="1")  # pure Python: the C++ extension has its own test
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(root)],
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = tmp_path.glob("fastgrpo-*.whl")
