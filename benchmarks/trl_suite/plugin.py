@@ -9,7 +9,9 @@ At import (before collection, so before the test module's own imports):
 Version skew in TRL's test support files: an `is_<package>_available` that the staged tests import
 from `trl.import_utils` and the installed TRL lacks is added there (`find_spec(<package>)`), and
 named in the report header.
-Every test's outcome is written as JSON to FASTGRPO_TRL_SUITE_RESULTS when the session ends.
+Every test's outcome is written as JSON to FASTGRPO_TRL_SUITE_RESULTS when the session ends;
+with FastGRPOTrainer also, per test, the micro-batches each path computed (`__paths__`: fused,
+objective, fallback, and the fallback reasons), summed over the trainers the test built.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import re
 import pytest
 
 from benchmarks.trl_suite import stand_ins
+from benchmarks.trl_suite.run import loss_paths
 
 TRAINER = os.environ.get("FASTGRPO_TRL_SUITE_TRAINER", "stock")
 if TRAINER not in ("stock", "fastgrpo"):
@@ -59,6 +62,16 @@ if TRAINER == "fastgrpo":
     trl.GRPOTrainer = FastGRPOTrainer
     _TRAINER_CLS = FastGRPOTrainer
 
+_trainers: list = []  # the FastGRPOTrainers the running test built (their fastgrpo_stats)
+if _TRAINER_CLS is not None:
+    _init = _TRAINER_CLS.__init__
+
+    def _tracked_init(self, *args, **kwargs):
+        _trainers.append(self)
+        return _init(self, *args, **kwargs)
+
+    _TRAINER_CLS.__init__ = _tracked_init
+
 _outcomes: dict = {}
 
 
@@ -83,6 +96,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_runtest_logreport(report):
     nid = report.nodeid
+    if report.when == "teardown" and _TRAINER_CLS is not None:
+        _outcomes.setdefault("__paths__", {})[nid] = loss_paths(_trainers)
+        _trainers.clear()
     if report.when == "setup" and report.outcome != "passed":
         _outcomes[nid] = "skipped" if report.skipped and not hasattr(report, "wasxfail") else (
             "xfailed" if hasattr(report, "wasxfail") else "error")

@@ -113,6 +113,35 @@ def counts(outcomes: Dict[str, str]) -> Dict[str, int]:
     return c
 
 
+def loss_paths(trainers) -> Dict[str, object]:
+    """Micro-batches per path summed over `trainers`' fastgrpo_stats: {fused, objective, fallback,
+    reasons: {reason: n}} (reasons of fallbacks only)."""
+    out = {"fused": 0, "objective": 0, "fallback": 0, "reasons": {}}
+    for t in trainers:
+        st = getattr(t, "fastgrpo_stats", None)
+        if st is None:
+            continue
+        out["fused"] += st.fused
+        out["objective"] += sum(st.objective.values())
+        out["fallback"] += sum(st.fallback.values())
+        for r, n in st.fallback.items():
+            out["reasons"][r] = out["reasons"].get(r, 0) + n
+    return out
+
+
+def path_line(paths: Dict[str, dict]) -> str:
+    """How many tests ran fastgrpo's loss (fused or TRL's objective on fastgrpo's head) and how
+    many computed a micro-batch with TRL's own loss, by reason."""
+    ours = sum(1 for p in paths.values() if p["fused"] + p["objective"] > 0)
+    fell = {n: p for n, p in paths.items() if p["fallback"] > 0}
+    reasons: Dict[str, int] = {}
+    for p in fell.values():
+        for r in p["reasons"]:
+            reasons[r] = reasons.get(r, 0) + 1
+    line = f"FastGRPOTrainer loss paths: {ours} tests ran fastgrpo's loss; {len(fell)} fell back to TRL's loss"
+    return line + (" (" + ", ".join(f"{r}: {k} tests" for r, k in sorted(reasons.items())) + ")" if reasons else "")
+
+
 def result_line(trainer: str, outcomes: Dict[str, str]) -> str:
     c = counts(outcomes)
     line = f"{TRAINERS[trainer]}: {c['ran']} ran / {c['passed']} passed / {c['failed']} failed / {c['skipped']} skipped"
@@ -142,9 +171,10 @@ def load_results(work: str, trainer: str) -> Optional[Dict[str, str]]:
     for p in paths:
         with open(p) as f:
             o = json.load(f)["outcomes"]
-        errs = o.pop("__errors__", {})
+        errs, paths = o.pop("__errors__", {}), o.pop("__paths__", {})
         merged.update(o)
         merged.setdefault("__errors__", {}).update(errs)
+        merged.setdefault("__paths__", {}).update(paths)
     return merged
 
 
@@ -211,6 +241,8 @@ def main(argv=None) -> int:
         res[trainer] = run_one(work, trainer, deselect, extra, a.threads, lambda s: print(s, flush=True), a.shard)
     for trainer, outcomes in res.items():
         print(result_line(trainer, outcomes))
+    if "fastgrpo" in res and res["fastgrpo"].get("__paths__"):
+        print(path_line(res["fastgrpo"]["__paths__"]))
     if len(res) == 2:
         bad = regressions(res["stock"], res["fastgrpo"])
         errors = res["fastgrpo"].get("__errors__", {})

@@ -23,7 +23,6 @@ merges: text encodes byte by byte, which is all the tests need from the encoder.
 from __future__ import annotations
 
 import codecs
-import importlib
 import json
 import os
 import re

@@ -318,3 +318,20 @@ def test_trl_suite_qwen_stand_in_tokenizer_keeps_the_ids_trl_tests_hard_code():
     assert tok.decode([40, 2765, 944, 16252, 151645, 151643], skip_special_tokens=True) == "I won't increment"
     assert tok.decode([17453, 0, 151645]) == "Done!<|im_end|>"
     assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [151667, 151668]
+
+
+def test_trl_suite_counts_loss_paths_per_test():
+    """The suite's FastGRPOTrainer run records, per test, the micro-batches of each path; the
+    runner's line counts the tests that ran fastgrpo's loss and those that fell back, by reason."""
+    from benchmarks.trl_suite.run import loss_paths, path_line
+    from fastgrpo.integrations.trl import FastGRPOStats
+
+    a, b = FastGRPOStats(), FastGRPOStats()
+    a.fused, a.objective["entropy_coef"] = 3, 2
+    b.fallback["loss_type_foo"] = 4
+    got = loss_paths([types.SimpleNamespace(fastgrpo_stats=a), types.SimpleNamespace(fastgrpo_stats=b), object()])
+    assert got == {"fused": 3, "objective": 2, "fallback": 4, "reasons": {"loss_type_foo": 4}}
+    none = {"fused": 0, "objective": 0, "fallback": 0, "reasons": {}}
+    line = path_line({"t1": got, "t2": {**none, "fused": 1}, "t3": none})
+    assert line == ("FastGRPOTrainer loss paths: 2 tests ran fastgrpo's loss; 1 fell back to TRL's loss "
+                    "(loss_type_foo: 1 tests)"), line
