@@ -30,6 +30,9 @@ def quiet_console(out_dir: str, verbose: bool = False) -> str:
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in LIBRARY_LOGGERS:
         lg = logging.getLogger(name)
+        for old in lg.handlers:  # a previous run's (stage's) file handler in this process: closed
+            if isinstance(old, _LazyFileHandler) and old is not handler:
+                old.close()
         lg.handlers = [handler]
         lg.propagate = False
         # libraries that add their own console handler when imported later (DeepSpeed does, at
