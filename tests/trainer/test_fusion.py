@@ -275,7 +275,7 @@ def test_fuse_command_end_to_end(fused, capsys):
     assert is_complete_model_dir(str(out / "fusion" / "model"))
     lines = open(out / "fusion" / "budget_sweep.csv").read().splitlines()
     assert len(lines) == 1 + 2 * 2 * 3  # header + (before, after) × (think, no_think) × 3 budgets
-    summary = json.load(open(out / "fusion" / "summary.json"))
+    summary = json.loads((out / "fusion" / "summary.json").read_text())
     assert summary["fusion/traces"] > 0 and "fusion/after/no_think/accuracy@1" in summary
     assert os.path.isfile(out / "plots" / "budget_sweep.png")
 
@@ -305,7 +305,7 @@ def test_fusion_stage_after_grpo_in_train(tmp_path, capsys):
                   + ["--set", "logging.progress=false"])
     text = capsys.readouterr()
     assert rc == 0, text.err
-    summary = json.load(open(out / "summary.json"))
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["fusion/traces"] > 0 and "fusion/before/think/accuracy@1" in summary
     assert is_complete_model_dir(str(out / "fusion" / "model"))
     assert os.path.isfile(out / "plots" / "budget_sweep.png") and os.path.isfile(out / "plots" / "accuracy.png")

@@ -122,7 +122,7 @@ def test_cli_smoke_two_steps(tmp_path):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout
-    summary = json.load(open(out / "summary.json"))
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and "accuracy_after" in summary
     bad = subprocess.run([sys.executable, "-m", "fastgrpo.cli", "train", "--set", "optimizer.lrr=1"],
                          capture_output=True, text=True, timeout=120)
