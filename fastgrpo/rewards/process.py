@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fastgrpo.rewards.registry import RewardInputs, import_reward
+from fastgrpo.rewards.inputs import RewardInputs, import_reward
 
 REDUCTIONS = ("min", "product", "mean")
 CREDITS = ("step", "to_go")
