@@ -1,15 +1,16 @@
-"""`fastgrpo` command line: train | sft | eval | bench | fuse.
+"""`fastgrpo` command line: train | sft | eval | bench | fuse | env.
 
-Each subcommand builds a `TrainConfig` (the embedded demo config when no --config is given,
-then --set overrides) and calls one library function of fastgrpo.pipeline; nothing else
-happens here (house style rule 5).
+Each subcommand builds a `TrainConfig` (the library defaults ← the embedded demo, for the tiny
+demo model ← --config ← --set; the first line printed says what came from where) and calls one
+library function of fastgrpo.pipeline; nothing else happens here (house style rule 5).
 
     fastgrpo train                                  # the embedded demo, end to end
     fastgrpo train --config run.yaml --set optimizer.lr=1e-4 --out runs/a
     fastgrpo sft --set sft.steps=500
-    fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples)
+    fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples); no model.path: refused
     fastgrpo bench --set steps=10                   # median seconds per phase, tokens/s
     fastgrpo fuse --set model.path=runs/a           # thinking-mode fusion of a trained run + budget sweep
+    fastgrpo env                                    # versions, devices, native builds: paste into a bug report
     fastgrpo train --config rm.yaml                 # with rm_stage.steps > 0: RLVR, then RM-GRPO in <out>/rm_stage
     fastgrpo train --nvtx                           # NVTX range per phase for `nsys profile`
     torchrun --nproc_per_node 2 -m fastgrpo.cli train --set distributed.backend=deepspeed
@@ -22,6 +23,8 @@ from the launcher's LOCAL_RANK environment variable, fastgrpo.trainer.backend.la
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 import time
 from typing import List, Optional
@@ -45,18 +48,46 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--verbose", action="store_true",
                        help="show the libraries' logs (vLLM, transformers, …) instead of writing them to <run>/log.txt")
         s.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its one-line message")
+        if name == "eval":
+            s.add_argument("--untrained", action="store_true",
+                           help="score the tiny demo model with random weights (refused without this flag "
+                                "when model.path is not set)")
+    e = sub.add_parser("env", help="versions, devices, native builds and a Triton compile check, for a bug report")
+    e.add_argument("--quick", action="store_true", help="no builds and no compile check: only what is already known")
+    x = sub.add_parser("export", help="a LoRA run's adapter merged into its base, as a plain HF folder")
+    x.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
+    x.add_argument("run", help="a LoRA run folder, one of its checkpoints, or a PEFT adapter folder")
+    x.add_argument("folder", help="the HF folder to write (transformers and vLLM load it without PEFT)")
+    x.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    import fastgrpo
+
+    p.add_argument("--version", action="version", version=f"fastgrpo {fastgrpo.__version__}")
     return p
 
 
+def _file_settings(path: Optional[str]) -> dict:
+    """The mapping in the YAML file `path` ({} when it does not read: load_config then reports why)."""
+    if not path:
+        return {}
+    try:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        return data if isinstance(data, dict) else {}
+    except Exception:  # noqa: BLE001 — the real error comes from load_config, with its file and line
+        return {}
+
+
 def uses_demo(args) -> bool:
-    """The embedded demo's settings apply when there is no --config and model.path is not set
-    to anything but the demo's tiny model; a user's checkpoint starts from the library defaults
-    (fastgrpo/config/schema.py: settings for a pretrained model)."""
+    """The embedded demo's settings apply when model.path (of --set, else of the --config file)
+    is the demo's tiny model; a user's checkpoint starts from the library defaults
+    (fastgrpo/config/schema.py: settings for a pretrained model). A partial --config for the tiny
+    model (as the README's snippets are) thus changes the demo field by field, never drops it."""
     from fastgrpo.config import parse_override
 
-    if args.config:
-        return False
-    path = "tiny"
+    model = _file_settings(args.config).get("model")
+    path = model.get("path", "tiny") if isinstance(model, dict) else "tiny"
     for item in args.overrides:
         keys, value = parse_override(item)
         if keys == ["model", "path"] or (keys == ["model"] and isinstance(value, dict) and "path" in value):
@@ -65,26 +96,34 @@ def uses_demo(args) -> bool:
 
 
 def config_from_args(args):
-    """TrainConfig of parsed args: the embedded demo (or --config, or the library defaults for a
-    model.path of the user's), --set, --out, --nvtx; and which of the three it started from."""
-    from fastgrpo.config import load_config
-    from fastgrpo.demo.default import default_config
+    """TrainConfig of parsed args — the library defaults ← the embedded demo (for the tiny model)
+    ← --config ← --set, --out, --nvtx —, the start-up line saying what came from where, and one
+    line for each explicit --set that the run would not use (fastgrpo.config.sources)."""
+    from fastgrpo.config import apply_overrides, load_config
+    from fastgrpo.config.sources import describe_layers, inert_overrides
+    from fastgrpo.demo.default import default_config, demo_settings
 
     overrides = list(args.overrides)
     if args.nvtx:
         overrides.append("logging.nvtx=true")
     out = args.out or f"runs/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.config:
-        return load_config(args.config, overrides + [f"logging.out_dir={out}"]), f"config file {args.config}"
-    if args.command == "fuse":  # a run folder's own settings (task, rollout, rewards) carry over to its fusion
+    layers = [("library defaults", None)]
+    config_path = args.config
+    if not config_path and args.command == "fuse":  # a run folder's own settings (task, rollout, rewards) carry over
         from fastgrpo.trainer.fusion import run_config_path
 
-        found = run_config_path(args.overrides)
-        if found:
-            return load_config(found, overrides + [f"logging.out_dir={out}"]), f"the RL run's config {found}"
-    if uses_demo(args):
-        return default_config(overrides, out_dir=out), "the embedded demo (fastgrpo/demo/default.py)"
-    return load_config(None, overrides + [f"logging.out_dir={out}"]), "the library defaults for a pretrained model"
+        config_path = run_config_path(args.overrides)
+        if config_path:
+            layers.append((f"the RL run's config {config_path}", _file_settings(config_path)))
+    elif config_path:
+        layers.append((f"config file {config_path}", _file_settings(config_path)))
+    if uses_demo(argparse.Namespace(config=config_path, overrides=args.overrides)):
+        layers.insert(1, ("the embedded demo fastgrpo/demo/default.py", demo_settings()))
+        cfg = default_config(overrides, out_dir=out, config_path=config_path)
+    else:
+        cfg = load_config(config_path, overrides + [f"logging.out_dir={out}"])
+    layers.append(("--set", apply_overrides({}, overrides)))
+    return cfg, describe_layers(layers), inert_overrides(cfg, args.overrides, args.command)
 
 
 def strip_local_rank(argv: List[str]) -> List[str]:
@@ -118,24 +157,49 @@ def main(argv: Optional[List[str]] = None) -> int:
         if main_rank:
             print(*a, **k)
 
+    if argv and argv[0] in ("env", "--version"):
+        return _info(argv)
+    if argv and argv[0] == "export":
+        return _export(argv, log)
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["train"] + argv  # `fastgrpo` alone (or with options only) runs the demo
     args = build_parser().parse_args(argv)
     try:
-        cfg, source = config_from_args(args)
+        cfg, source, unused = config_from_args(args)
+        out = cfg.logging.out_dir
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"{'--out' if args.out else 'logging.out_dir'} {out}: is a file, not a folder; give a new "
+                             "or existing run folder")
     except Exception as e:  # noqa: BLE001 — every expected failure of the config is one line
         return _fail(e, args, log)
-    from fastgrpo.trainer.console import quiet_console
+    from fastgrpo.trainer.runfolder import restore_compiler_cache, route_compiler_cache
 
+    existed = os.path.isdir(out)
+    old_cache = route_compiler_cache(out)  # before transformers imports torch._dynamo, which creates the cache folder
+    try:
+        return _run(args, cfg, source, unused, log, main_rank, existed)
+    finally:
+        restore_compiler_cache(old_cache)
+
+
+def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existed: bool) -> int:
+    """The command's library function, its failures turned into one line and an exit code."""
+    from fastgrpo.trainer.console import quiet_console
+    from fastgrpo.trainer.runfolder import discard_unused
+
+    out = cfg.logging.out_dir
     # every command may start an engine: the libraries' logs go to the run folder
     logfile = quiet_console(cfg.logging.out_dir, verbose=args.verbose or not main_rank)
-    log(f"[fastgrpo] {args.command}: settings from {source}; run folder {cfg.logging.out_dir}"
+    log(f"[fastgrpo] {args.command}: settings: {source}; run folder {cfg.logging.out_dir}"
         + ("" if args.verbose else f" (library logs: {logfile})"))
+    for line in unused:  # an explicit --set is never dropped without a word
+        log(f"[fastgrpo] {line}")
     from fastgrpo import pipeline
     from fastgrpo.trainer.grpo import TrainingStopped
     from fastgrpo.trainer.runfolder import TrainingInterrupted
 
-    run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only, "eval": pipeline.run_eval,
+    run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only,
+           "eval": functools.partial(pipeline.run_eval, allow_untrained=getattr(args, "untrained", False)),
            "bench": pipeline.run_bench, "fuse": _fuse}[args.command]
     try:
         run(cfg, log=log)
@@ -145,15 +209,45 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TrainingInterrupted as e:  # SIGINT / SIGTERM during GRPO: checkpoint written
         log(f"fastgrpo: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt as e:  # SIGINT / SIGTERM before GRPO (or a second one): nothing to save
-        name = str(e) or "SIGINT"
-        log(f"fastgrpo: interrupted by {name} before any GRPO step finished; run the same command to resume",
-            file=sys.stderr)
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM outside GRPO's steps (or a second one): stops at once
+        name = getattr(e, "signame", None) or str(e) or "SIGINT"
+        where = getattr(e, "where", None) or "before any GRPO step finished; run the same command to resume"
+        log(f"fastgrpo: interrupted by {name} {where}", file=sys.stderr)
         return 143 if name == "SIGTERM" else 130
     except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
-        if not _expected(e):
+        if not _expected(e, out):
             raise
+        if not existed:  # refused before the run began: leave no run folder behind
+            discard_unused(out)
+        return _fail(e, args, log, out)
+    return 0
+
+
+def _info(argv: List[str]) -> int:
+    """`fastgrpo env` (the bug-report block of fastgrpo.native.envinfo) and `fastgrpo --version`."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --version prints and exits 0; a bad option prints its usage, exits 2
+        return int(e.code or 0)
+    from fastgrpo.native.envinfo import report
+
+    print(report(quick=args.quick))
+    return 0
+
+
+def _export(argv: List[str], log) -> int:
+    """`fastgrpo export --merge <run> <folder>` (fastgrpo.trainer.lora_run.export_merged)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a bad option prints its usage
+        return int(e.code or 0)
+    from fastgrpo.trainer.lora_run import export_merged
+
+    try:
+        out = export_merged(args.run, args.folder)
+    except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
         return _fail(e, args, log)
+    log(f"[fastgrpo] export: {args.run} merged into its base → {out}")
     return 0
 
 
@@ -163,28 +257,38 @@ def _fuse(cfg, log):
     return run_fuse(cfg, log=log)
 
 
-def _expected(e: BaseException) -> bool:
-    """A failure of the user's input (config, files, data) rather than a bug of fastgrpo."""
+def _expected(e: BaseException, out_dir: Optional[str] = None) -> bool:
+    """A failure of the user's input (config, files, data) or of the machine the user can fix (a
+    full disk, a read-only file system, permissions: fastgrpo.trainer.runfolder.describe_os_error)
+    rather than a bug of fastgrpo."""
     import yaml
 
+    from fastgrpo.trainer.runfolder import describe_os_error
+
     return isinstance(e, (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError,
-                          yaml.YAMLError))
+                          yaml.YAMLError)) or describe_os_error(e, out_dir) is not None
 
 
-def _fail(e: BaseException, args, log) -> int:
+def _fail(e: BaseException, args, log, out_dir: Optional[str] = None) -> int:
     """One line naming the problem (file, line, field), exit code 2; `--debug` adds the traceback."""
-    if not _expected(e):
+    if not _expected(e, out_dir):
         raise e
     if getattr(args, "debug", False):
         import traceback
 
         traceback.print_exception(e)
-    log(f"fastgrpo: {_one_line(e)}", file=sys.stderr)
+    log(f"fastgrpo: {_one_line(e, out_dir)}", file=sys.stderr)
     return 2
 
 
-def _one_line(e: BaseException) -> str:
+def _one_line(e: BaseException, out_dir: Optional[str] = None) -> str:
     import yaml
+
+    from fastgrpo.trainer.runfolder import describe_os_error
+
+    line = describe_os_error(e, out_dir) if not isinstance(e, ValueError) else None
+    if line is not None:
+        return line
 
     if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
         m = e.problem_mark

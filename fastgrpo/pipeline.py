@@ -20,7 +20,7 @@ import torch
 
 from fastgrpo.trainer import checkpoint as ckpt
 from fastgrpo.trainer.build import build_model, build_rollout_engine, build_task
-from fastgrpo.config import TrainConfig, dump_config
+from fastgrpo.config import TrainConfig
 from fastgrpo.trainer.backend import launcher_env
 from fastgrpo.trainer.evaluation import evaluate
 from fastgrpo.trainer.metrics import make_plots, read_metrics, set_nvtx
@@ -54,9 +54,13 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     from fastgrpo.trainer.stages import check_stage
 
     tok, ctx = build_tokenizer(cfg.model)
+    check_context(cfg, ctx)
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
     check_stage(cfg, tok, task, ctx)  # rm_stage: its prompts and reward models, loaded now
+    from fastgrpo.trainer.lora_run import check_lora_run
+
+    check_lora_run(cfg)  # model.lora / an adapter model.path against the model's layers and the engine
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):  # an explicit checkpoint: checked now, not after an engine has started
         why = ckpt.verify_checkpoint(r) if os.path.isdir(r) else f"{r} is not a checkpoint folder"
@@ -68,24 +72,18 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     return tok, task, rewards
 
 
-def _load_sft_model(model, sft_dir: str, log: Log) -> bool:
-    """Load a saved SFT model into `model`. A folder without the complete-marker of
-    `save_model_atomic` (an older run's, or one torn by a crash mid-save) is tried; one that does
-    not load is moved aside (`model.broken-<time>`, never deleted) and SFT runs again."""
-    from transformers import AutoModelForCausalLM
-
-    if ckpt.is_complete_model_dir(sft_dir, verify=True):
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
-        return True
-    try:
-        model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
-        return True
-    except Exception as e:  # noqa: BLE001 — any failure: the folder is not a usable model
-        aside = f"{sft_dir}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(sft_dir, aside)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        log(f"[fastgrpo] the saved SFT model {sft_dir} is incomplete ({first}); moved to {aside}, running SFT again")
-        return False
+def check_context(cfg: TrainConfig, ctx: Optional[int]) -> None:
+    """rollout.max_new_tokens must leave room for a prompt in the model's context (every engine:
+    the built-in one would otherwise decode past its positions, vLLM refuse late)."""
+    if not ctx:
+        return
+    r = cfg.rollout
+    limit = min(ctx, r.max_model_len) if r.max_model_len else ctx
+    what = (f"rollout.max_model_len={r.max_model_len}" if r.max_model_len and r.max_model_len < ctx
+            else f"the context of model.path={cfg.model.path!r}, {ctx} tokens")
+    if r.max_new_tokens >= limit:
+        raise ValueError(f"config rollout.max_new_tokens={r.max_new_tokens}: must be below {what} (a prompt needs "
+                         f"room too); set rollout.max_new_tokens to at most {limit} minus the longest prompt")
 
 
 def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
@@ -93,7 +91,9 @@ def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
 
     sft_dir = os.path.join(cfg.logging.out_dir, "sft", "model")
     if cfg.checkpoint.resume != "none" and os.path.exists(sft_dir):
-        if _load_sft_model(model, sft_dir, log):
+        from fastgrpo.trainer.sft import load_saved_sft
+
+        if load_saved_sft(model, sft_dir, log):  # verified against its marker's sha256 first
             log(f"[fastgrpo] SFT model found in {sft_dir}: skipping the cold start")
             return
     bar = _progress(cfg.sft.steps, 0, "sft", cfg.logging.progress and launcher_env().rank == 0)
@@ -104,10 +104,20 @@ def _sft_stage(cfg: TrainConfig, model, tok, task, log: Log) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
 
-    run_sft(cfg, model, tok, task, out_dir=cfg.logging.out_dir, on_step=on_step)
-    if bar is not None:
-        bar.close()
+    try:
+        run_sft(cfg, model, tok, task, out_dir=cfg.logging.out_dir, on_step=on_step, log=log)
+    finally:
+        if bar is not None:
+            bar.close()
     log(f"[fastgrpo] SFT cold start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s")
+
+
+def _step_of(checkpoint: Optional[str]) -> int:
+    """The GRPO step of a checkpoint folder `…/step-00000050` (0 for none)."""
+    import re
+
+    m = re.search(r"step-(\d+)", os.path.basename(os.path.normpath(checkpoint))) if checkpoint else None
+    return int(m.group(1)) if m else 0
 
 
 def _prompt_len(tok, problems) -> int:
@@ -125,20 +135,28 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 
     want_sft = cfg.sft_first and cfg.sft.steps > 0
     loaded = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
+    from fastgrpo.trainer.runrecord import plan_resume
+
+    plan = plan_resume(cfg)  # a resume's settings against the run's own record, before anything is written
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
     from fastgrpo.trainer.backend import launcher_env
     from fastgrpo.trainer.runlock import RunLock
 
     # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
     lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
-    with lock, graceful_signals(None), run_tmpdir(cfg.logging.out_dir):
+    progress = {"where": BEFORE_GRPO}  # what the run has done, for the message of a signal that stops it at once
+    with lock, graceful_signals(None, where=lambda: progress["where"]), run_tmpdir(cfg.logging.out_dir):
         from fastgrpo.trainer import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
 
         done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
-        return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done else _train(cfg, log, loaded[1], want_sft))
+        return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done
+                                else _train(cfg, log, loaded[1], want_sft, plan, progress))
 
 
-def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]:
+BEFORE_GRPO = "before any GRPO step finished; run the same command to resume"
+
+
+def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress: Optional[Dict] = None) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import Trainer
     from fastgrpo.trainer.runfolder import graceful_signals
 
@@ -147,19 +165,26 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]
     t_start = time.perf_counter()
     _prepare(cfg)
     out = cfg.logging.out_dir
-    dump_config(cfg, os.path.join(out, "config.yaml"))  # temp file + rename (fastgrpo.config.dump_config)
-    seed_everything(cfg.seed)
-    model, tok = build_model(cfg.model)
+    progress = progress if progress is not None else {}
     resume_path = None
     if cfg.checkpoint.resume == "auto":
         resume_path = ckpt.latest_checkpoint(out, log=log)
     elif cfg.checkpoint.resume != "none":
         resume_path = cfg.checkpoint.resume
+    from fastgrpo.trainer.runrecord import plan_resume, write_record
+
+    # config.yaml for a new run; a resume that changed settings says which and records them beside it
+    write_record(cfg, plan if plan is not None else plan_resume(cfg), _step_of(resume_path), log)
+    seed_everything(cfg.seed)
+    model, tok = build_model(cfg.model)
     ran_sft = False
     if want_sft and resume_path is None:
         _sft_stage(cfg, model, tok, task, log)
         ran_sft = True
+        progress["where"] = f"after the SFT cold start (saved in {out}/sft/model), {BEFORE_GRPO}"
     start = "SFT checkpoint" if ran_sft else f"initial model {cfg.model.path}"
+    if cfg.rollout.mode == "async":  # rollout workers on Ray (fastgrpo/trainer/async_trainer.py)
+        from fastgrpo.trainer.async_trainer import AsyncTrainer as Trainer
     trainer = Trainer(cfg, model, tok, task, log=log)
     rewards = trainer.reward_fns
     before: Optional[float] = None
@@ -188,11 +213,20 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool) -> Dict[str, float]
 
         t_rl = time.perf_counter()
         try:
-            with graceful_signals(trainer.request_stop):
+            with graceful_signals(trainer.request_stop, where=lambda: f"at once during GRPO step {trainer.step_num} "
+                                  "(a second signal); run the same command to resume from the last checkpoint"):
                 trainer.train(on_step=on_step)
         finally:
             if bar is not None:
                 bar.close()
+        if getattr(trainer, "_stop_signal", None) is not None:  # a signal during the final save: stop as it said
+            from fastgrpo.trainer.runfolder import TrainingInterrupted
+
+            path = ckpt.latest_checkpoint(out) if cfg.checkpoint.at_end else trainer.save()  # as the loop does
+            raise TrainingInterrupted(trainer._stop_signal, trainer.step_num, path)
+        saved = " (checkpoint written)" if cfg.checkpoint.at_end and trainer.step_num > 0 else ""
+        progress["where"] = (f"after the last GRPO step {trainer.step_num}{saved}, during the final evaluation; run the "
+                             "same command to finish the run")
         rl_s = time.perf_counter() - t_rl
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
@@ -240,8 +274,15 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     return out
 
 
-def run_eval(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
-    """`fastgrpo eval`: held-out accuracy and pass@k of model.path (a run folder works)."""
+def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) -> Dict[str, float]:
+    """`fastgrpo eval`: held-out accuracy and pass@k of model.path (a run folder works). The tiny
+    demo model (model.path=tiny, the default) is built with random weights: scoring it is refused
+    unless asked for (`allow_untrained`, the CLI's `--untrained`), so a forgotten model.path is
+    never read as a trained model's accuracy."""
+    if cfg.model.path == "tiny" and not allow_untrained:
+        raise ValueError("fastgrpo eval: model.path is not set, so the model would be the tiny demo model with random "
+                         "weights; give --set model.path=<run folder, checkpoint or model>, or --untrained to score "
+                         "an untrained model on purpose")
     _prepare(cfg)
     _, task, rewards = load_run(cfg, log)
     if not task.heldout:

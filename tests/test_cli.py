@@ -46,10 +46,56 @@ def test_debug_adds_the_traceback(tmp_path, capsys):
     assert rc == 2 and "Traceback" in err and "nope.yaml" in err
 
 
-def test_settings_source_follows_model_path():
+def test_settings_source_follows_model_path(tmp_path):
     ns = lambda *o: argparse.Namespace(config=None, overrides=list(o))  # noqa: E731
     assert cli.uses_demo(ns())
     assert cli.uses_demo(ns("steps=3", "model.path=tiny"))
     assert not cli.uses_demo(ns("model.path=smollm2-135m"))
     assert not cli.uses_demo(ns("model={path: /models/x}"))
-    assert not cli.uses_demo(argparse.Namespace(config="run.yaml", overrides=[]))
+    own = tmp_path / "own.yaml"
+    own.write_text("model: {path: /models/x}\n")
+    assert not cli.uses_demo(argparse.Namespace(config=str(own), overrides=[]))
+    part = tmp_path / "part.yaml"  # a README-style snippet: no model section, so the tiny model
+    part.write_text("rewards: {functions: [accuracy], weights: [1.0]}\n")
+    assert cli.uses_demo(argparse.Namespace(config=str(part), overrides=[]))
+
+
+def _args(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def test_a_partial_config_keeps_the_demo_and_an_explicit_set_acts(tmp_path):
+    """issue 26: a partial --config dropped the demo's settings (sft_first among them), so
+    --set sft.steps was silently ignored; now the file changes the demo field by field, and the
+    start-up line says what came from where."""
+    part = tmp_path / "part.yaml"
+    part.write_text("rewards: {functions: [accuracy], weights: [1.0]}\n")
+    cfg, source, unused = cli.config_from_args(_args("train", "--config", str(part), "--set", "sft.steps=7",
+                                                     "--out", str(tmp_path / "r")))
+    assert cfg.sft_first and cfg.sft.steps == 7 and cfg.rewards.functions == ["accuracy"] and unused == []
+    assert cfg.rollout.group_size == 8 and cfg.sft.lr == 3e-3  # the demo's, not the library defaults
+    assert source.startswith("library defaults ← the embedded demo fastgrpo/demo/default.py (")
+    assert f"config file {part} (2 fields: rewards.functions, rewards.weights)" in source
+    assert source.endswith("--set (1 field: sft.steps)"), source
+
+
+def test_a_set_the_run_would_not_use_is_said(tmp_path, capsys, monkeypatch):
+    own = tmp_path / "own.yaml"
+    own.write_text("model: {path: /models/none}\n")
+    cfg, source, unused = cli.config_from_args(_args("train", "--config", str(own), "--set", "sft.steps=7"))
+    assert not cfg.sft_first and source.startswith("library defaults ← config file")
+    assert unused == ["--set sft.steps=7 has no effect in this run: sft_first=false; add --set sft_first=true to use it"]
+    import fastgrpo.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "run_train", lambda cfg, log: None)
+    assert cli.main(["train", "--out", str(tmp_path / "r"), "--set", "sft_first=false", "--set", "sft.lr=1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "[fastgrpo] --set sft.lr=1e-3 has no effect in this run: sft_first=false" in out, out
+    assert "--set (2 fields: sft.lr, sft_first)" in out, out
+
+
+def test_eval_without_a_model_path_is_refused(tmp_path, capsys):
+    out = tmp_path / "e"
+    rc, err = _run(capsys, "eval", "--out", str(out))
+    assert rc == 2 and "fastgrpo eval: model.path is not set" in err and "--untrained" in err, err
+    assert not out.exists()

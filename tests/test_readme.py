@@ -24,3 +24,39 @@ def test_readme_names_exactly_the_two_commands():
     block = text.split("## On a fresh machine: two commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert commands == ["./run train", "./run test"]
+
+
+def test_readme_samples_section_matches_the_code(tmp_path):
+    """The "Samples and dashboards" YAML loads as a run config, and its example row has exactly
+    the keys of a row that fastgrpo.trainer.samples writes."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer.samples import select_samples
+
+    section = README.read_text().split("## Samples and dashboards", 1)[1].split("\n## ", 1)[0]
+    path = tmp_path / "samples.yaml"
+    path.write_text(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    cfg = load_config(str(path))
+    assert cfg.logging.samples_every == 10 and cfg.logging.samples_max == 8 and cfg.logging.wandb.mode == "offline"
+    example = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    problem = SimpleNamespace(id=41, prompt="4+1=", key="")
+    comps = [SimpleNamespace(text=t, token_ids=[1, 2], finish_reason="stop") for t in ("a", "b")]
+    scores = np.array([[1.0, 0.0]])
+    (row,) = select_samples(20, [problem], [comps], {"accuracy": scores}, scores, scores - 0.5, np.array([False]), 1)
+    assert set(example) == set(row)
+
+
+def test_readme_lora_section_config_loads(tmp_path):
+    """The "LoRA policies" YAML loads as a run config with its LoRA settings."""
+    from fastgrpo.config import load_config
+
+    section = README.read_text().split("## LoRA policies", 1)[1].split("\n## ", 1)[0]
+    path = tmp_path / "lora.yaml"
+    path.write_text(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    cfg = load_config(str(path))
+    assert cfg.model.lora.rank == 16 and cfg.model.lora.sync == "adapter" and cfg.model.lora.target_modules == []
+    assert "fastgrpo export --merge" in section

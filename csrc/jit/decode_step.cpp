@@ -7,7 +7,8 @@
 // loops compiled for the host (-march=native, so AVX-512 where the CPU has it):
 //   - GEMMs against weights transposed once per rollout ([K, N]): each output row is a sum of
 //     weight rows scaled by the input, 4 rows × 64 columns held in registers, no horizontal sums;
-//     the residual adds accumulate into the hidden state directly;
+//     the residual adds accumulate into the hidden state directly (decode_gemm.h / .cpp, with
+//     the AVX-512 kernel for weights too large to copy);
 //   - the K cache is kept transposed ([B, Hkv, D, S]) so that the scores of a query are D
 //     contiguous AXPYs over the cached positions; the values ([B, Hkv, S, D]) are summed the
 //     same way; RoPE is applied as the new k goes into the cache;
@@ -21,19 +22,15 @@
 // is bound into this module; the polynomial exp is ../native_math.h's.
 // The same step serves LeanStepper.native_prefill (the prompt fed a position at a time): there a
 // left-pad query sees no key, and attends to nothing (output 0) instead of producing NaNs.
-// JIT-compiled by fastgrpo/rollout/fastgrpo/native/decode_step.py (torch.utils.cpp_extension) on first use; the
+// JIT-compiled by fastgrpo/native/decode_step.py (torch.utils.cpp_extension) on first use; the
 // Python step is the fallback and the reference (tests compare the two). The math follows
 // transformers' modeling_qwen2 / modeling_qwen3 / modeling_llama as the Python step does; it departs only in
 // float32 rounding: summation order (GEMMs accumulate over k in order, dot products in SIMD
 // lanes) and the polynomial exp.
 #include <torch/extension.h>
 
+#include "decode_gemm.h"
 #include "native_math.h"
-
-#include <ATen/Parallel.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <cmath>
 #include <cstdint>
@@ -44,203 +41,12 @@
 namespace {
 
 using fastgrpo::exp_poly;
-
-constexpr int64_t kCols = 64;  // output columns per register block
-constexpr int64_t kRows = 4;   // output rows per register block
-
-// C[r : r + R] (= | +=) A[r : r + R] @ WT (+ bias): one block of R rows, all N columns
-template <int64_t R>
-void gemm_block(const float* A, int64_t r, int64_t K, const float* WT, int64_t N, const float* bias, float* C,
-                bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += kCols) {
-    const int64_t nb = N - n0 < kCols ? N - n0 : kCols;
-    float acc[R][kCols];
-    for (int64_t i = 0; i < R; ++i) {
-      float* ci = C + (r + i) * N + n0;
-      for (int64_t j = 0; j < nb; ++j) acc[i][j] = (accumulate ? ci[j] : 0.f) + (bias ? bias[n0 + j] : 0.f);
-    }
-    if (R == 4) {
-      // the register block: 4 rows × 64 columns of accumulators, one weight row per k
-      float* a0 = acc[0];
-      float* a1 = acc[R > 1 ? 1 : 0];
-      float* a2 = acc[R > 2 ? 2 : 0];
-      float* a3 = acc[R > 3 ? 3 : 0];
-      for (int64_t k = 0; k < K; ++k) {
-        const float* w = WT + k * N + n0;
-        const float x0 = A[r * K + k], x1 = A[(r + 1) * K + k], x2 = A[(r + 2) * K + k], x3 = A[(r + 3) * K + k];
-#pragma omp simd
-        for (int64_t j = 0; j < nb; ++j) {
-          a0[j] += x0 * w[j];
-          a1[j] += x1 * w[j];
-          a2[j] += x2 * w[j];
-          a3[j] += x3 * w[j];
-        }
-      }
-    } else {
-      for (int64_t k = 0; k < K; ++k) {
-        const float* w = WT + k * N + n0;
-        for (int64_t i = 0; i < R; ++i) {
-          const float a = A[(r + i) * K + k];
-#pragma omp simd
-          for (int64_t j = 0; j < nb; ++j) acc[i][j] += a * w[j];
-        }
-      }
-    }
-    for (int64_t i = 0; i < R; ++i) {
-      float* ci = C + (r + i) * N + n0;
-      for (int64_t j = 0; j < nb; ++j) ci[j] = acc[i][j];
-    }
-  }
-}
-
-// Weights past this many floats (1 MiB, an L2's worth) are "streamed" (see streamed_layers in
-// decoders.py, which decides per model): the caller passes every matrix of such a model in
-// nn.Linear's own layout [N, K], q / k / v and gate / up as separate matrices (no concatenated
-// or transposed copy per rollout: on SmolLM2-135M those copies moved 820 MB, ~0.7 s a rollout),
-// and gemm_nk multiplies them into column ranges of the output. A streamed weight is read from
-// DRAM once a step, so the kernel reads each weight row once for all input rows: 4 weight rows ×
-// 4 input rows of dot products in 16 AVX-512 accumulators, 8 loads per 16 FMAs in the K loop, one
-// horizontal sum per output. MKL's sgemm, the previous path for these weights, ran at ~4 GB/s of
-// weights here (its AVX2 kernels on AMD, blocked for large M). Without AVX-512: at::mm.
-constexpr int64_t kCachedWeight = 1 << 18;
+using fastgrpo::decode::gemm;
+using fastgrpo::decode::kCachedWeight;
+using fastgrpo::decode::linear;
 
 constexpr int64_t kPerLayer = 12;  // weights a layer in lean_step's WT (see there)
 constexpr int64_t kStreamed = 3;   // and in WS, for a streamed layer (k, v, up)
-
-// kept out of line: a throwing check inside gemm() costs the blocked loop its vectorisation
-// (measured: 165 → 433 µs a decode step)
-__attribute__((noinline)) void check_gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias,
-                                          const at::Tensor& c, bool streamed, int64_t col0) {
-  const int64_t K = streamed ? wt.size(1) : wt.size(0), N = streamed ? wt.size(0) : wt.size(1);
-  TORCH_CHECK(wt.dim() == 2 && K == a.size(1) && c.size(0) == a.size(0) && col0 >= 0 && col0 + N <= c.size(1) &&
-                  (streamed || (col0 == 0 && c.size(1) == N)) && (!bias.numel() || bias.numel() >= N) &&
-                  a.is_contiguous() && c.is_contiguous(),
-              "lean_step: GEMM shapes [", a.size(0), ", ", a.size(1), "] x ", streamed ? "W [" : "W^T [", wt.size(0),
-              ", ", wt.size(1), "] into columns ", col0, "+ of [", c.size(0), ", ", c.size(1), "] disagree");
-}
-
-#if defined(__AVX512F__)
-// C[i, j] (= | +=) Σ_k A[i, k] · W[j, k] (+ bias[j]) for an MR × NR block
-// `pf`: the next block's weight rows, prefetched a cache line per row and k step while this
-// block computes, so the stream and the FMAs overlap (a SmolLM2 step's 120 GEMMs at 16 rows, one
-// thread, CPU time on the loaded 2-core machine: 111 → 86 ms; MKL sgemm on the same: 115-145 ms)
-template <int MR, int NR>
-inline void nk_block(const float* A, int64_t K, const float* W, float* C, int64_t ldc, const float* bias,
-                     bool accumulate, const float* pf) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 w[NR];
-    if (pf)
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * K + k), _MM_HINT_T0);
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_ps(W + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 x = _mm512_loadu_ps(A + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    __m512 w[NR];
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_maskz_loadu_ps(m, W + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 x = _mm512_maskz_loadu_ps(m, A + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const float s = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
-      C[i * ldc + j] = accumulate ? C[i * ldc + j] + s : s;
-    }
-}
-
-// the first pass over the block's rows prefetches the next block (`pf`, null at the last)
-template <int NR>
-inline void nk_rows(const float* A, int64_t M, int64_t K, const float* W, float* C, int64_t ldc, const float* bias,
-                    bool accumulate, const float* pf) {
-  int64_t i = 0;
-  for (; i + 4 <= M; i += 4, pf = nullptr) nk_block<4, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf);
-  switch (M - i) {
-    case 3: nk_block<3, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
-    case 2: nk_block<2, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
-    case 1: nk_block<1, NR>(A + i * K, K, W, C + i * ldc, ldc, bias, accumulate, pf); break;
-    default: break;
-  }
-}
-
-// C [M, N] (row stride ldc) (= | +=) A [M, K] · W [N, K]^T (+ bias): blocks of 4 weight rows over
-// all input rows (the block's rows stay in L1 while every input row meets them), the blocks
-// split over torch's threads
-void gemm_nk(const float* A, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* C,
-             int64_t ldc, bool accumulate) {
-  const int64_t blocks = (N + 3) / 4;
-  // chunks of >= 16 blocks (64 weight rows, 144 KiB at K = 576): a thread wake-up per chunk amortised
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n = blk * 4, nr = N - n < 4 ? N - n : 4;
-      const float* w = W + n * K;
-      const float* bn = bias ? bias + n : nullptr;
-      const float* pf = n + 8 <= N ? w + 4 * K : nullptr;  // the next full block, if any
-      switch (nr) {
-        case 4: nk_rows<4>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
-        case 3: nk_rows<3>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
-        case 2: nk_rows<2>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
-        default: nk_rows<1>(A, M, K, w, C + n, ldc, bn, accumulate, pf); break;
-      }
-    }
-  });
-}
-#endif
-
-// c[:, col0 : col0 + N] (= | +=) a · W^T (+ bias[:N]); `streamed`: wt is W [N, K] (see gemm_nk),
-// else the transposed W^T [K, N] of a cache-resident weight (then col0 = 0, N = c's width)
-void gemm(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, at::Tensor& c, bool accumulate,
-          bool streamed = false, int64_t col0 = 0) {
-  check_gemm(a, wt, bias, c, streamed, col0);
-  const int64_t M = a.size(0), K = a.size(1);
-  if (streamed) {
-    const int64_t N = wt.size(0);
-#if defined(__AVX512F__)
-    gemm_nk(a.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, bias.numel() ? bias.data_ptr<float>() : nullptr,
-            c.data_ptr<float>() + col0, c.size(1), accumulate);
-#else
-    at::Tensor out = c.narrow(1, col0, N);
-    if (accumulate) {
-      out.addmm_(a, wt.t());
-    } else {
-      out.copy_(at::mm(a, wt.t()));
-    }
-    if (bias.numel()) out.add_(bias.narrow(0, 0, N));
-#endif
-    return;
-  }
-  if (wt.numel() > kCachedWeight) {  // a large transposed weight (a tiny model's big lm_head)
-    if (accumulate) {
-      c.addmm_(a, wt);
-    } else {
-      at::mm_out(c, a, wt);
-    }
-    if (bias.numel()) c.add_(bias);
-    return;
-  }
-  const int64_t N = wt.size(1);
-  const float* A = a.data_ptr<float>();
-  const float* WT = wt.data_ptr<float>();
-  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* C = c.data_ptr<float>();
-  int64_t r = 0;
-  for (; r + kRows <= M; r += kRows) gemm_block<kRows>(A, r, K, WT, N, B, C, accumulate);
-  for (; r < M; ++r) gemm_block<1>(A, r, K, WT, N, B, C, accumulate);
-}
-
-at::Tensor linear(const at::Tensor& a, const at::Tensor& wt, const at::Tensor& bias, bool streamed = false) {
-  at::Tensor c = at::empty({a.size(0), streamed ? wt.size(0) : wt.size(1)}, a.options());
-  gemm(a, wt, bias, c, false, streamed);
-  return c;
-}
 
 // the bias entries [off, off + n) of a layer's concatenated bias (empty: none)
 inline at::Tensor bias_part(const at::Tensor& bias, int64_t off, int64_t n) {
@@ -508,11 +314,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lean_step", &lean_step, "one float32 CPU decode step of a Qwen2 / Qwen3 / Llama decoder (see decode_step.cpp)");
   // weights past this many floats go in nn.Linear's [N, K] layout, the rest transposed ([K, N])
   m.attr("streamed_weight") = kCachedWeight;
-#if defined(__AVX512F__)
-  m.attr("streamed_kernel") = true;  // gemm_nk; else streamed weights go to at::mm
-#else
-  m.attr("streamed_kernel") = false;
-#endif
+  m.attr("streamed_kernel") = fastgrpo::decode::kStreamedKernel;  // gemm_nk; else streamed weights go to at::mm
   m.def("sample_step", &sample_step,
         "one decode step's sampling, log-probs, stop check and bookkeeping for a batch (see decode_step.cpp)");
 }

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from fastgrpo.config.lora import check_lora_config
 from fastgrpo.config.schema import REWARD_NAMES, RewardsConfig, TrainConfig, check_reward_name
 
 # ---------------------------------------------------------------------------------------------
@@ -43,22 +44,32 @@ _CHECKS = {
     "rollout.max_model_len": _NONNEG, "rollout.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
     "rewards.on_error": _choice("zero", "drop"), "rewards.kimi_min_accuracy": _PROB, "rewards.kimi_min_step": _NONNEG,
     "rewards.overlong_cache": _NONNEG, "rewards.code_timeout": _POS,
+    "rewards.timeout": ((lambda v: v >= 0), "a number of seconds >= 0 (0 = no timeout)"),
     "rewards.process.reduction": _choice("min", "product", "mean"), "rewards.process.dense_weight": _NONNEG,
     "rewards.process.dense_credit": _choice("step", "to_go"),
     "algorithm.estimator": _choice("grpo", "dr_grpo", "rloo", "kimi"), "algorithm.adv_std": _choice("group", "batch", "none"),
     "algorithm.inner_steps": _POS_INT, "algorithm.dynamic_max_rounds": _POS_INT, "algorithm.max_pass_rate": _PROB, "algorithm.min_attempts": _POS_INT,
     "algorithm.weighting": _choice("inverse_pass", "uniform"),
     "algorithm.loss_impl": _choice("auto", "reference", "torch", "triton"),
+    "algorithm.correction": _choice("auto", "none", "tis", "decoupled"),
+    "algorithm.is_cap": ((lambda v: v > 1), "a number > 1 (the truncation C of the importance weights; 2 is Yao et al.'s, 5 AReaL's)"),
     "packing.max_tokens": _POS_INT,
     "optimizer.lr": _POS, "optimizer.weight_decay": _NONNEG, "optimizer.eps": _POS, "optimizer.max_grad_norm": _NONNEG,
     "optimizer.schedule": _choice("constant", "linear", "cosine"), "optimizer.warmup_steps": _NONNEG,
     "optimizer.min_lr_ratio": _PROB,
     "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
     "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
-    "sync.every": _POS_INT,
+    "sync.every": _POS_INT, "sync.timeout": _POS, "sync.bucket_mb": _POS_INT,
+    "rollout.mode": _choice("colocated", "async"), "rollout.workers": _POS_INT, "rollout.max_staleness": _NONNEG,
+    "rollout.inflight": _choice("wait", "abort", "keep"), "rollout.worker_threads": _POS_INT,
+    "rollout.prompts_per_call": _NONNEG,
+    "cluster.num_cpus": _NONNEG, "cluster.num_gpus": _NONNEG, "cluster.object_store_mb": ((lambda v: v >= 64), "an integer >= 64 (MiB)"),
+    "cluster.gpus_per_worker": ((lambda v: v == -1 or v >= 0), "-1 (auto) or a number >= 0"),
     "guard.max_weight_growth": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"), "guard.grad_spike": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"),
     "guard.grad_spike_warmup": _NONNEG,
-    "logging.log_every": _POS_INT,
+    "logging.log_every": _POS_INT, "logging.samples_every": _NONNEG, "logging.samples_max": _POS_INT,
+    "logging.wandb.mode": _choice("disabled", "online", "offline"),
+    "logging.wandb.project": ((lambda v: bool(v.strip())), "a W&B project name"),
     "checkpoint.every": _NONNEG, "checkpoint.keep_last": _POS_INT,
     "distributed.backend": _choice("none", "deepspeed", "ddp"), "distributed.zero_stage": _choice(0, 1, 2, 3),
     "distributed.rank": _NONNEG, "distributed.world_size": _POS_INT, "distributed.local_rank": _NONNEG,
@@ -160,6 +171,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if why is not None:
             _bad(f"rewards.functions[{i}]", name, why)
     _validate_models(cfg)
+    check_lora_config(cfg.model.lora, _bad)  # model.lora (fastgrpo/config/lora.py)
     if len(cfg.rewards.functions) != len(cfg.rewards.weights):
         # a typo in a name is the likelier fault than the weights: say so first
         for i, name in enumerate(cfg.rewards.functions):
@@ -168,6 +180,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 _bad(f"rewards.functions[{i}]", name, f"{why} (and rewards.weights one weight per entry)")
         _bad("rewards.weights", cfg.rewards.weights, f"{len(cfg.rewards.functions)} weights, one per rewards.functions entry")
     _check_process(cfg.rewards)
+    _check_async(cfg)
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
     if cfg.data.task in ("math", "code", "jsonl") and not cfg.data.path:
@@ -202,11 +215,59 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              "process: fuse the saved run with `fastgrpo fuse --set model.path=<run folder>`)")
     if cfg.distributed.rank >= cfg.distributed.world_size:
         _bad("distributed.rank", cfg.distributed.rank, f"< distributed.world_size={cfg.distributed.world_size}")
+    if cfg.algorithm.correction_on_policy and cfg.algorithm.correction not in ("tis", "decoupled"):
+        _bad("algorithm.correction_on_policy", True, "false unless algorithm.correction is tis or decoupled "
+             f"(got algorithm.correction={cfg.algorithm.correction}: nothing would correct the on-policy mismatch)")
     try:
         cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
     except ValueError as e:  # LossConfig names its own field; name it as the config's field
         raise ValueError(f"config {str(e).replace('LossConfig.', 'algorithm.')}") from None
     return cfg
+
+
+def _check_async(cfg: TrainConfig) -> None:
+    """rollout.mode=async: options its workers cannot serve, more workers than this machine has
+    devices for (a local cluster), a cluster.address nobody answers at — refused before any model
+    or worker starts."""
+    r, c = cfg.rollout, cfg.cluster
+    if r.mode != "async":
+        return
+    if r.inflight != "wait":
+        _bad("rollout.inflight", r.inflight, "wait (abort and keep are not built yet)")
+    if r.sleep_between_steps:
+        _bad("rollout.sleep_between_steps", True, "false with rollout.mode=async (workers own their engines)")
+    if cfg.sync.every != 1:
+        _bad("sync.every", cfg.sync.every, "1 with rollout.mode=async (rollout.max_staleness bounds how old the workers' weights may be)")
+    if r.top_k > 0 or r.top_p < 1:
+        _bad("rollout.top_k" if r.top_k > 0 else "rollout.top_p", r.top_k if r.top_k > 0 else r.top_p,
+             "top_k=0 and top_p=1 with rollout.mode=async (the workers' sampling log-probs are the behaviour "
+             "policy's; truncation would make them another distribution's)")
+    if not c.address:
+        import os
+
+        cpus = c.num_cpus or os.cpu_count() or 1
+        if r.workers * r.worker_threads > cpus:
+            _bad("rollout.workers", r.workers, f"at most {cpus // r.worker_threads} on this machine ({cpus} CPUs, "
+                 f"rollout.worker_threads={r.worker_threads} each); lower it, or join a cluster with cluster.address")
+        if c.gpus_per_worker > 0:
+            import torch
+
+            have = c.num_gpus or torch.cuda.device_count()
+            if r.workers * c.gpus_per_worker > have:
+                _bad("rollout.workers", r.workers, f"workers × cluster.gpus_per_worker <= the {have} GPUs of this machine")
+    elif c.address != "auto":
+        import socket
+
+        host, _, port = c.address.rpartition(":")
+        if c.address.startswith("ray://"):
+            host, _, port = c.address[len("ray://"):].rpartition(":")
+        if not host or not port.isdigit():
+            _bad("cluster.address", c.address, "host:port of a Ray head (`ray start --head` prints it), \"auto\" or \"\" (local)")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            _bad("cluster.address", c.address, f"a reachable Ray head ({e.strerror or e}); start one with "
+                 "`ray start --head --port=<port>` or leave cluster.address empty for a local Ray")
 
 
 def _check_process(rcfg: RewardsConfig) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from fastgrpo.config.lora import LoRAConfig  # model.lora (its checks: fastgrpo/config/lora.py)
+
 
 @dataclass
 class ModelConfig:
@@ -18,6 +20,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 (training dtype of the parameters; float16 is refused: AdamW on fp16 weights without a loss scale overflows)
     seed: int = 0  # initialisation seed of the tiny model
     gradient_checkpointing: bool = False  # recompute activations in backward (memory for time)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapter through PEFT (rank 0 = off: full fine-tuning)
 
 
 @dataclass
@@ -59,6 +62,14 @@ class RolloutConfig:
     max_model_len: int = 0  # vLLM context (0 = the longest prompt + the completion budget, capped at the model's context)
     gpu_memory_utilization: float = 0.3  # vLLM: fraction of accelerator memory for weights + KV cache
     sleep_between_steps: bool = False  # vLLM: release KV cache during the update (colocated engine)
+    # the asynchronous schedule (fastgrpo/workers/, fastgrpo/trainer/async_trainer.py)
+    mode: str = "colocated"  # colocated (one process, phases in turn) | async (rollout workers on Ray, generating while the trainer updates)
+    workers: int = 1  # async: rollout worker actors, one engine each (the built-in engine)
+    max_staleness: int = 1  # async: η, how many policy versions behind a trained sample may be (0 = lock-step); enforced by admission, never by dropping
+    inflight: str = "wait"  # async: a weight update meets a running generate call: wait (it finishes under its weights, then the new ones load)
+    deterministic: bool = False  # async: logical clock (swaps at fixed points, results in submission order, per-prompt seeds): two runs, one seed, same weights
+    worker_threads: int = 1  # async: torch threads of each CPU rollout worker (its Ray CPU request too)
+    prompts_per_call: int = 0  # async: prompts per generate call of a worker (0 = prompts_per_step / workers; deterministic: 1)
 
     def __post_init__(self):
         if self.top_k == -1:  # one meaning of "off" everywhere: 0
@@ -136,6 +147,9 @@ class RewardsConfig:
     kimi_min_step: int = 0  # kimi_length: also on after this many steps (0 = only by accuracy)
     overlong_cache: int = 0  # overlong: DAPO's L_cache, the last tokens of rollout.max_new_tokens penalised (0 = a quarter)
     code_timeout: float = 5.0  # code: seconds per program run in the sandbox
+    # a user reward runs in a worker process, replaced when it overruns; a call past the timeout scores
+    # error_score and is counted (reward/<name>/timeouts); 0: user rewards run in the trainer process
+    timeout: float = 60.0  # seconds per call of a user or model reward (fastgrpo/rewards/worker.py); 0 = none
     models: Dict[str, RewardModelConfig] = field(default_factory=dict)  # name → reward model / judge, listed by name in functions
     accuracy_judge: str = ""  # math accuracy: a judge of `models` asked only when the symbolic parse fails ("" = off)
     process: ProcessConfig = field(default_factory=ProcessConfig)  # process (step-level) rewards
@@ -162,6 +176,12 @@ class AlgorithmConfig:
     min_attempts: int = 8  # samples of a prompt before it can be retired (one lucky group must not)
     weighting: str = "inverse_pass"  # prompt sampling: inverse_pass (∝ 1 − pass rate, Qwen3) | uniform
     loss_impl: str = "auto"  # loss backend: auto | reference | torch | triton
+    # off-policy correction (fastgrpo/correction.py) of rollouts sampled behind the policy (async, sync.every > 1):
+    # auto (decoupled under rollout.mode=async, else none) | none (naive PPO: clip around the engine's log-probs μ)
+    # | decoupled (AReaL: clip around π_prox, weight π_prox/μ, tokens above is_cap masked) | tis (weight min(π_prox/μ, is_cap))
+    correction: str = "auto"
+    is_cap: float = 2.0  # C of the correction, > 1: tis truncates π_prox/μ at C, decoupled masks tokens above C (AReaL's examples: 5)
+    correction_on_policy: bool = False  # also correct on-policy steps for engine–trainer numeric mismatch (Yao et al. 2025; +1 no-grad forward a step)
 
     def loss_config(self, temperature: float, max_len: Optional[int] = None):
         """The kernels' LossConfig for these fields (it validates them once more)."""
@@ -217,6 +237,15 @@ class EvalConfig:
 class SyncConfig:
     # between syncs the engine's rollouts are off-policy: their sampling log-probs are the old log-probs
     every: int = 1  # push trainer weights to the rollout engine every N steps
+    timeout: float = 300.0  # async: seconds any weight broadcast, worker RPC or wait for a worker may take before the run stops naming it
+    bucket_mb: int = 256  # async: broadcast bucket size in MiB (two buckets in flight)
+
+
+@dataclass
+class WandbConfig:  # Weights & Biases, optional (fastgrpo/trainer/wandb_logger.py); metrics.jsonl stays the record
+    mode: str = "disabled"  # disabled (no wandb at all) | online | offline (no network; `wandb sync <run>/wandb/offline-run-*` later)
+    project: str = "fastgrpo"  # W&B project
+    name: str = ""  # W&B run name ("" = the run folder's name)
 
 
 @dataclass
@@ -227,6 +256,9 @@ class LoggingConfig:
     plots: bool = True  # PNG plots (reward, accuracy, length, KL) at the end of the run
     progress: bool = True  # progress bar with live reward and throughput
     nvtx: bool = False  # NVTX ranges per phase (also FASTGRPO_NVTX=1 / --nvtx)
+    samples_every: int = 10  # every N steps some of the step's rollouts go to <run>/samples.jsonl (0 = off, eval_samples.jsonl too)
+    samples_max: int = 8  # rows per step: best and worst completion of a few groups, one row per σ = 0 group
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases (off by default)
 
 
 @dataclass
@@ -290,6 +322,16 @@ class FusionConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # Ray for rollout.mode=async (fastgrpo/workers/cluster.py)
+    address: str = ""  # "" = start a local Ray sized from this config; host:port (or "auto") joins a running cluster (`ray start --head`)
+    num_cpus: int = 0  # local Ray: CPUs it may hand out (0 = rollout.workers × rollout.worker_threads)
+    num_gpus: int = 0  # local Ray: GPUs it may hand out (0 = every visible GPU)
+    object_store_mb: int = 200  # local Ray: object store size in MiB (rollouts and prompts pass through it)
+    gpus_per_worker: float = -1.0  # GPUs per rollout worker (-1 = 1 when the cluster has GPUs, else 0)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # GRPO steps (rollout batches)
     seed: int = 0  # global seed (python, numpy, torch, sampling)
@@ -312,3 +354,4 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
     rm_stage: RMStageConfig = field(default_factory=RMStageConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # Ray, for rollout.mode=async

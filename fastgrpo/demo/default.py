@@ -45,11 +45,19 @@ checkpoint: {every: 50, keep_last: 2}
 """
 
 
-def default_config(overrides: Sequence[str] = (), out_dir: Optional[str] = None) -> TrainConfig:
-    base = yaml.safe_load(DEFAULT_YAML)
+def demo_settings() -> Dict:
+    """The demo's settings as a nested dict (what it sets over the library defaults)."""
+    return yaml.safe_load(DEFAULT_YAML)
+
+
+def default_config(overrides: Sequence[str] = (), out_dir: Optional[str] = None,
+                   config_path: Optional[str] = None) -> TrainConfig:
+    """The demo's settings ← the YAML file `config_path` (a partial one: its sections replace the
+    demo's field by field, the rest stays the demo's) ← `overrides`."""
+    base = demo_settings()
     if out_dir:
         base.setdefault("logging", {})["out_dir"] = out_dir
-    return load_config(None, overrides, base=base)
+    return load_config(config_path, overrides, base=base)
 
 
 def run_default(out_dir: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, float]:

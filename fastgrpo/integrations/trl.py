@@ -42,7 +42,12 @@ from contextlib import nullcontext
 from typing import Optional
 
 import torch
-from trl import GRPOTrainer
+
+from fastgrpo.integrations.trl_console import quiet_vllm_notice, report_loss_paths
+
+quiet_vllm_notice()  # before TRL's trainer modules load: they bind `is_vllm_available` at import
+
+from trl import GRPOTrainer  # noqa: E402  (after quiet_vllm_notice)
 
 from fastgrpo.integrations.trl_head import fused_head_logprobs, head_logit_transform
 
@@ -446,8 +451,7 @@ def patch_trl_loss(trainer: GRPOTrainer) -> GRPOTrainer:
         try:
             return train(*args, **kwargs)
         finally:
-            stats = trainer.fastgrpo_stats
-            (_log.warning if stats.fallback else _log.info)("%s", stats.summary())
+            report_loss_paths(trainer, _log)
 
     trainer.train = train_and_report
     return trainer

@@ -27,8 +27,8 @@ class of every decoder layer and RMSNorm of a supported architecture to a subcla
 isinstance checks, parameters, state dict, deepcopy and pickle are unchanged) whose forward
 takes the fused path only for the packed varlen forward of `fastgrpo.models.packed` (float32, CPU, no
 autocast, not under torch.compile, no KV cache, no attention dropout, no forward or backward
-hooks on the layer's parts, no part replaced since the swap (a LoRA wrapper, another
-activation), weights of the swapped shapes and not partitioned by ZeRO-3) and is the model's own
+hooks on the layer's parts, no part replaced since the swap (another activation; a PEFT
+LoRA wrapper is taken: its adapter runs inside the layer, fastgrpo/models/fused_lora.py), weights of the swapped shapes and not partitioned by ZeRO-3) and is the model's own
 forward otherwise (generation, prefills, bf16, GPU). `FASTGRPO_FUSED_LAYERS=0`, or a failed build (one warning),
 keep the model's own layers everywhere. The backward is once-differentiable: a double backward
 (`create_graph=True`) through a fused layer raises an error.
@@ -53,6 +53,8 @@ from fastgrpo import env
 from fastgrpo.native.train_ops import ops_module
 
 from fastgrpo.models import onednn as cpu_gemm
+from fastgrpo.models.fused_lora import _base_linear, _cols, _lora_args, _lora_bwd, _lora_fwd, _terms
+from fastgrpo.models.lora import warn_once
 from fastgrpo.models.packed import PACKED_CALL, PAD_KWARG, PREFIX_KWARG, VARLEN_ATTN, tensor_version
 
 # set on a model by use_fused_layers
@@ -129,7 +131,8 @@ def _wgrad(x_t: torch.Tensor, g: torch.Tensor, dnn: bool) -> torch.Tensor:
 
 
 class _Spec:
-    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "eps_h", "dnn", "biases", "split", "grad")
+    __slots__ = ("ops", "seg", "nq", "nk", "d", "scale", "eps1", "eps2", "eps_h", "dnn", "biases", "split", "grad",
+                 "lora")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -138,10 +141,11 @@ class _Spec:
 
 class _DecoderLayerFn(torch.autograd.Function):
     """y = x2 + down(silu(gate(n2)) · up(n2)), x2 = x + o(attn(rope(qkv(n1)))), n1 = norm1(x),
-    n2 = norm2(x2); x [T, H] float32 dense."""
+    n2 = norm2(x2); x [T, H] float32 dense. A LoRA'd projection P adds s·(n Aᵀ) Bᵀ to its output
+    (`lw`: A, B of q k v o gate up down in turn, None where a projection has no adapter on)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, spec, w_in, wq, wk, wv, bq, bk, bv, wo, bo, w_post, wg, wu, wd, wqn, wkn):
+    def forward(ctx, x, cos, sin, spec, w_in, wq, wk, wv, bq, bk, bv, wo, bo, w_post, wg, wu, wd, wqn, wkn, *lw):
         ops, dnn = spec.ops, spec.dnn
         h1, r1 = ops.rmsnorm_fwd(x, w_in, spec.eps1)
         wqkv = torch.cat([wq, wk, wv])
@@ -149,23 +153,34 @@ class _DecoderLayerFn(torch.autograd.Function):
         if spec.biases[:3] != (False, False, False):
             bqkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv))])
         qkv = _gemm(h1, wqkv, bqkv, dnn)
+        sc = spec.lora
+        qkv_cols = _cols(spec.split)
+        if sc is not None:
+            _lora_fwd(qkv, h1, _terms(lw, sc, 0, 3), qkv_cols)
         pre = hr = None
         if wqn is not None:  # Qwen3: each q and k head RMS-normed before RoPE
             pre, hr = ops.head_rmsnorm_(qkv, wqn, wkn, spec.nq, spec.nk, spec.d, spec.eps_h)
         ops.rope_(qkv, cos, sin, spec.nq + spec.nk, spec.d, False)
         o, lse = ops.attn_fwd(qkv, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
         x2 = _gemm(o, wo, bo.contiguous() if bo is not None else None, dnn).add_(x)
+        if sc is not None:
+            _lora_fwd(x2, o, _terms(lw, sc, 3, 4), ((0, x2.shape[1]),))
         h2, r2 = ops.rmsnorm_fwd(x2, w_post, spec.eps2)
         wgu = torch.cat([wg, wu])
         gu = _gemm(h2, wgu, None, dnn)
-        y = _gemm(ops.silu_mul_fwd(gu), wd, None, dnn).add_(x2)
+        if sc is not None:
+            _lora_fwd(gu, h2, _terms(lw, sc, 4, 6), _cols((wg.shape[0], wu.shape[0])))
+        act = ops.silu_mul_fwd(gu)
+        y = _gemm(act, wd, None, dnn).add_(x2)
+        if sc is not None:
+            _lora_fwd(y, act, _terms(lw, sc, 6, 7), ((0, y.shape[1]),))
         if spec.grad:  # (no-grad forwards, old / reference log-probs, keep nothing)
             # the normed inputs are read again only by the weight gradients, as their transposes
             h1, h2 = ops.transpose(h1), ops.transpose(h2)
             # the weights themselves, not their concatenations: those are rebuilt in the backward
             # (a copy of the layer's weights per forward would outweigh the activations it saves)
             ctx.save_for_backward(x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg,
-                                  wu, wd, pre, hr, wqn, wkn)
+                                  wu, wd, pre, hr, wqn, wkn, *lw)
         ctx.spec = spec
         return y
 
@@ -174,24 +189,33 @@ class _DecoderLayerFn(torch.autograd.Function):
     def backward(ctx, gy):
         # h1, h2: the normed inputs' transposes [H, T]
         (x, h1, r1, qkv, o, lse, x2, h2, r2, gu, cos, sin, w_in, wq, wk, wv, wo, w_post, wg, wu, wd, pre, hr, wqn,
-         wkn) = ctx.saved_tensors
+         wkn, *lw) = ctx.saved_tensors
         wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
         spec = ctx.spec
-        ops, dnn, need = spec.ops, spec.dnn, ctx.needs_input_grad
+        ops, dnn, need, sc = spec.ops, spec.dnn, ctx.needs_input_grad, spec.lora
         gy = gy.contiguous()
-        g = [None] * 19
+        g = [None] * (19 + len(lw))
+        act = ops.silu_mul_fwd(gu) if need[16] or sc is not None else None
         if need[16]:
-            g[16] = _gemm(gy.t(), ops.silu_mul_fwd(gu).t(), None, dnn)
-        dgu = ops.silu_mul_bwd(_gemm(gy, wd.t(), None, dnn), gu)
+            g[16] = _gemm(gy.t(), act.t(), None, dnn)
+        dact = _gemm(gy, wd.t(), None, dnn)
+        if sc is not None:  # the adapters' gradients (A, B) and their share of each input gradient
+            _lora_bwd(gy, act, _terms(lw, sc, 6, 7), ((0, gy.shape[1]),), dact, g, 19 + 12)
+        dgu = ops.silu_mul_bwd(dact, gu)
         if need[14] or need[15]:
             g[14], g[15] = _wgrad(h2, dgu, dnn).split(wgu.shape[0] // 2)
-        dx2, g[13] = ops.rmsnorm_bwd(_gemm(dgu, wgu.t(), None, dnn), x2, w_post, r2, gy)
+        dh2 = _gemm(dgu, wgu.t(), None, dnn)
+        if sc is not None:
+            _lora_bwd(dgu, h2.t(), _terms(lw, sc, 4, 6), _cols((wg.shape[0], wu.shape[0])), dh2, g, 19 + 8)
+        dx2, g[13] = ops.rmsnorm_bwd(dh2, x2, w_post, r2, gy)
         if need[11]:
             g[11] = _wgrad(ops.transpose(o), dx2, dnn)
         if spec.biases[3] and need[12]:
             g[12] = dx2.sum(0)
-        dqkv = ops.attn_bwd(_gemm(dx2, wo.t(), None, dnn), qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d,
-                            spec.scale)
+        do = _gemm(dx2, wo.t(), None, dnn)
+        if sc is not None:
+            _lora_bwd(dx2, o, _terms(lw, sc, 3, 4), ((0, dx2.shape[1]),), do, g, 19 + 6)
+        dqkv = ops.attn_bwd(do, qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
         ops.rope_(dqkv, cos, sin, spec.nq + spec.nk, spec.d, True)
         if wqn is not None:
             g[17], g[18] = ops.head_rmsnorm_bwd_(dqkv, pre, hr, wqn, wkn, spec.nq, spec.nk, spec.d)
@@ -202,8 +226,12 @@ class _DecoderLayerFn(torch.autograd.Function):
             for i in range(3):
                 if spec.biases[i] and need[8 + i]:
                     g[8 + i] = gb[i]
-        g[0], g[4] = ops.rmsnorm_bwd(_gemm(dqkv, wqkv.t(), None, dnn), x, w_in, r1, dx2)
+        dh1 = _gemm(dqkv, wqkv.t(), None, dnn)
+        if sc is not None:
+            _lora_bwd(dqkv, h1.t(), _terms(lw, sc, 0, 3), _cols(spec.split), dh1, g, 19)
+        g[0], g[4] = ops.rmsnorm_bwd(dh1, x, w_in, r1, dx2)
         return tuple(g)
+
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -270,11 +298,22 @@ def _parts(layer) -> tuple:
 
 def _same_parts(layer) -> bool:
     """Whether the layer's parts are still the modules checked at the swap: a part replaced since
-    (a LoRA / PEFT wrapper exposing its base layer's `weight`, another activation, a module with
-    hooks) has a forward that the fused path would skip."""
-    now = _parts(layer)
-    return (all(a is b for a, b in zip(now, layer._fastgrpo_parts))
+    (a wrapper other than PEFT's LoRA exposing its base layer's `weight`, another activation, a
+    module with hooks) has a forward that the fused path would skip. A PEFT LoRA wrapper put
+    around a checked linear (before or after the swap) is taken: the adapter is computed here."""
+    now = tuple(_base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(_parts(layer)))
+    was = tuple(_base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(layer._fastgrpo_parts))
+    return (all(a is b for a, b in zip(now, was))
             and all(type(m) in _LINEARS for m in now[2:9]) and type(now[9]) is layer._fastgrpo_act)
+
+
+def _lora_hooked(layer) -> bool:
+    """Hooks on a PEFT wrapper or its adapter modules (which the fused path does not call)."""
+    extra = []
+    for m in _parts(layer)[2:9]:
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+            extra += [m, m.base_layer, *m.lora_A.values(), *m.lora_B.values()]
+    return bool(extra) and _hooked(extra)
 
 
 def _params_ok(params) -> bool:
@@ -301,8 +340,14 @@ class FusedDecoderLayer:
                 and not (at.training and at.attention_dropout > 0)
                 and _same_parts(self) and not _hooked(self._fastgrpo_parts) and _params_ok(params)
                 # one eps for both head norms in the kernel: checked at the swap, and again here
-                and (params[13] is None or at.q_norm.variance_epsilon == at.k_norm.variance_epsilon)):
-            ops = ops_module()
+                and (params[13] is None or at.q_norm.variance_epsilon == at.k_norm.variance_epsilon)
+                and not _lora_hooked(self)):
+            scales, lw, why = _lora_args(_parts(self)[2:9])
+            if why is not None:  # an adapter this kernel cannot compute: PEFT's own layers run
+                warn_once(f"fused-lora-{why}", f"the fused CPU decoder layers step aside for a LoRA adapter with {why}; "
+                          "the model's own layers (PEFT's) run instead")
+            elif _params_ok(lw):
+                ops = ops_module()
         if ops is None:
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=use_cache,
@@ -323,8 +368,8 @@ class FusedDecoderLayer:
                      eps2=float(self.post_attention_layernorm.variance_epsilon),
                      eps_h=float(at.q_norm.variance_epsilon) if params[13] is not None else 0.0, dnn=dnn,
                      biases=tuple(p is not None for p in params[4:7]) + (params[8] is not None,),
-                     split=(nq * d, nk * d, nk * d), grad=torch.is_grad_enabled())
-        y = _DecoderLayerFn.apply(x, cos, sin, spec, *params)
+                     split=(nq * d, nk * d, nk * d), grad=torch.is_grad_enabled(), lora=scales)
+        y = _DecoderLayerFn.apply(x, cos, sin, spec, *params, *lw)
         return y[None]
 
 
@@ -376,6 +421,7 @@ def _layer_ok(layer) -> bool:
         return False
     linears = [getattr(at, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    linears = [_base_linear(m) for m in linears]  # a PEFT LoRA wrapper: its adapter is computed in the layer
     if not all(type(m) in _LINEARS for m in linears):
         return False
     if any(m.bias is not None for m in linears[4:]):  # MLP biases: not this kernel's

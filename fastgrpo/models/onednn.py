@@ -166,7 +166,9 @@ class FastLinear(nn.Linear):
 def use_onednn_linears(model: nn.Module) -> int:
     """Swap every plain `nn.Linear` of `model` to `FastLinear` in place (parameters, hooks and
     state dict untouched) when oneDNN is enabled on this machine; returns how many were swapped.
-    Subclasses of nn.Linear (quantised, LoRA, …) are left alone."""
+    Subclasses of nn.Linear (quantised, …) are left alone. A PEFT LoRA wrapper is not a linear but
+    holds one: its base layer is swapped (the base GEMM on oneDNN) and its adapter's small
+    products run beside it, so patching after LoRA (as build_model does) keeps this path."""
     if not _enabled():
         return 0
     n = 0

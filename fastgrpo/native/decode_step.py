@@ -1,10 +1,10 @@
-"""The native decode step and sampler (csrc/jit/decode_step.cpp + sampler.cpp), JIT-compiled on
-first use for this machine.
+"""The native decode step and sampler (csrc/jit/decode_step.cpp + decode_gemm.cpp + sampler.cpp),
+JIT-compiled on first use for this machine.
 
 `decode_step_module()` returns the compiled module, or None where it cannot be had (no C++
 compiler or ninja, a failed build, or `FASTGRPO_NATIVE_DECODE=0`); callers then take the Python
-step, which computes the same thing. The build (≈ 20 s on the 2-core machine, once) and its
-cache, lock and fallback are `fastgrpo.native.jit`'s.
+step, which computes the same thing. The build (≈ 30 s on the 2-core machine, once, announced on
+stderr) and its cache, lock and fallback are `fastgrpo.native.jit`'s.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ STEM = "decode_step"
 
 
 def sources():
-    """The step and the sampler, bound into one module (decode_step.cpp declares the sampler)."""
-    return [_jit.source("decode_step.cpp"), _jit.source("sampler.cpp")]
+    """The step, its GEMMs and the sampler, bound into one module (decode_step.cpp declares the
+    sampler; decode_gemm.h the GEMMs)."""
+    return [_jit.source("decode_step.cpp"), _jit.source("decode_gemm.cpp"), _jit.source("sampler.cpp")]
 
 
 def enabled() -> bool:

@@ -57,6 +57,9 @@ class PackedBatch:
       targets        int64  the completion tokens (= input_ids[logit_index + 1])
       advantages     f32    per token (a per-sequence advantage broadcast over its completion)
       old_logp, ref_logp, weights   f32 or None
+      behav_logp     f32 or None: the rollout engine's own sampling log-probs (the behaviour
+                            policy μ) when they differ from the policy's, for the off-policy
+                            correction (fastgrpo.correction); not an input of the loss itself
       loss_mask      f32    1 where the token counts in the loss (all ones unless a
                             completion_mask was given, e.g. to drop truncated completions)
       loss_cu_seqlens int32 [S+1] sequence offsets in completion space
@@ -83,6 +86,7 @@ class PackedBatch:
     ref_logp: Optional[torch.Tensor] = None
     weights: Optional[torch.Tensor] = None
     segment_prefix: Optional[torch.Tensor] = None
+    behav_logp: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +197,7 @@ def _per_token(values, name: str, comp_lens: List[int], allow_scalar: bool,
 def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advantages: Sequence,
                          token_budget: int, *, old_logp: Optional[Sequence] = None,
                          ref_logp: Optional[Sequence] = None, weights: Optional[Sequence] = None,
-                         completion_mask: Optional[Sequence] = None,
+                         behav_logp: Optional[Sequence] = None, completion_mask: Optional[Sequence] = None,
                          ids: Optional[Sequence[Tuple[int, int]]] = None, group_size: int = 1,
                          allow_oversize: bool = False, min_micro_batches: int = 1,
                          workload: Workload = "tokens",
@@ -204,7 +208,8 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
     Inputs, one entry per rollout sequence i: `prompt_ids[i]` (≥ 1 token: the first completion
     token is predicted from the last prompt token), `completion_ids[i]` (≥ 0 tokens),
     `advantages[i]` (a float broadcast over the completion, or C_i per-token values), and
-    optionally per-token `old_logp`, `ref_logp`, `weights`, `completion_mask` (C_i values each).
+    optionally per-token `old_logp`, `ref_logp`, `weights`, `behav_logp`, `completion_mask` (C_i
+    values each).
     `ids[i]` = (prompt id, sample id); by default (i // group_size, i % group_size).
 
     Log-prob convention: in the packed sequence prompt ‖ completion, the logit at position t
@@ -256,6 +261,7 @@ def build_packed_batches(prompt_ids: Sequence, completion_ids: Sequence, advanta
         old_logp=_per_token(old_logp, "old_logp", comp_lens, False, lens),
         ref_logp=_per_token(ref_logp, "ref_logp", comp_lens, False, lens),
         weights=_per_token(weights, "weights", comp_lens, False, lens),
+        behav_logp=_per_token(behav_logp, "behav_logp", comp_lens, False, lens),
         loss_mask=_per_token(completion_mask, "completion_mask", comp_lens, False, lens),
     )
     if per_token["loss_mask"] is None:  # every token counts

@@ -6,11 +6,13 @@ departures: a None (unverifiable: a data error, a parse failure) in any componen
 silent 0 — it makes the total None (the default: the caller skips the sample) or, with
 `none_score`, scores that number (the trainer's `rewards.error_score`); and each component's
 reason codes become metrics. `score_groups` is the trainer's scoring path over a rollout batch
-and mixes through `combine_rewards`, so both follow the one rule.
+and mixes through `combine_rewards`, so both follow the one rule; it also applies the one rule
+for failures (fastgrpo/rewards/faults.py: a raise, a timeout or a value that is no real number
+fails those completions, one line per reward) — where TRL turns a None into NaN and lets NaN and
+strings reach the advantages.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -69,35 +71,32 @@ def combine_rewards(components: Mapping[str, Sequence[Optional[float]]], weights
     return CombinedReward(total, {k: list(v) for k, v in components.items()}, metrics)
 
 
-def _as_scores(vals, n: int, name: str) -> List[Optional[float]]:
-    vals = list(vals)
-    if len(vals) != n:
-        raise ValueError(f"reward {name!r} returned {len(vals)} scores for {n} completions")
-    out = [None if v is None else float(v) for v in vals]
-    if not all(v is None or math.isfinite(v) for v in out):
-        raise ValueError(f"reward {name!r} returned a non-finite score")
-    return out
-
-
 def score_groups(problems: Sequence, groups: Sequence, fns: Mapping[str, Callable], names: Sequence[str],
-                 weights: Sequence[float], error_score: float = 0.0, on_error: str = "zero", step: int = 0
-                 ) -> Tuple[Dict[str, "np.ndarray"], "np.ndarray", set, List[str]]:
+                 weights: Sequence[float], error_score: float = 0.0, on_error: str = "zero", step: int = 0,
+                 faults=None) -> Tuple[Dict[str, "np.ndarray"], "np.ndarray", set, List[str]]:
     """A rollout batch's rewards: (per reward [B, G] unweighted, the weighted total [B, G],
-    indices of groups to drop, error messages).
+    indices of groups to drop, error lines — at most one per reward).
 
     `problems[i]` is the task's problem (`.id`, `.answer`, …); `groups[i]` holds its G completions
     (`.text`, `.token_ids`, `.finish_reason`). Each reward `fns[name]` is called once on the whole
     batch with a `fastgrpo.rewards.registry.RewardInputs` (or, in the older signature, as
     `fn(texts, answers)`), in the order of `names`, and sees the scores of the rewards before it
     (`inputs.scores`); verifiers amortise their start-up that way. Only when that call raises (or
-    returns the wrong number of scores, or a non-finite one) is it re-run prompt by prompt, so that
-    the failing prompt's id is reported and only that group is scored `error_score`
-    (on_error="zero") or dropped (on_error="drop"). A None score (unverifiable) counts as
-    `error_score` (`combine_rewards(..., none_score=error_score)`).
+    returns no list of B·G values) is it re-run prompt by prompt, so that the failing prompt's id
+    is reported and only that group fails; a call that times out (`RewardTimeout`) is not re-run
+    (its wait would be paid again per prompt). A value that is no score (fastgrpo.rewards.faults:
+    a bool, a string, NaN, ±inf, beyond ±1e9) fails that completion only, and a reward may report
+    failed items itself (`drain_item_errors()`, the process reward). A failed completion scores
+    `error_score` (on_error="zero") or drops its group (on_error="drop"); a None score
+    (unverifiable) counts as `error_score` (`combine_rewards(..., none_score=error_score)`). Each
+    reward with failures gets one error line naming the first failure's prompt id and the count;
+    `faults` (a `RewardFaults`) receives the counts.
     """
     import numpy as np  # here, not at import: the sandbox imports fastgrpo.rewards in a bare interpreter
 
+    from fastgrpo.rewards.faults import BadScores, check_scores
     from fastgrpo.rewards.registry import RewardInputs, call_reward
+    from fastgrpo.rewards.worker import RewardTimeout, describe
 
     B = len(problems)
     G = len(groups[0]) if B else 0
@@ -110,23 +109,54 @@ def score_groups(problems: Sequence, groups: Sequence, fns: Mapping[str, Callabl
     raw: Dict[str, List[Optional[float]]] = {}
     dropped: set = set()
     errors: List[str] = []
+    if faults is not None:
+        faults.begin_round(names, B * G)
+    key = lambda i: getattr(problems[i], "key", "") or problems[i].id  # noqa: E731
     for name in names:
         fn = fns[name]
+        failed: Dict[int, str] = {}  # completion index → why
+        timeouts = 0
         try:
-            raw[name] = _as_scores(call_reward(fn, inputs), B * G, name)
-            inputs.scores[name] = raw[name]
-            continue
+            scores, bad = check_scores(call_reward(fn, inputs), B * G, name)
+            failed.update(bad)
+        except RewardTimeout as e:
+            scores, timeouts = [None] * (B * G), 1
+            failed.update({j: describe(e) for j in range(B * G)})
         except Exception:  # noqa: BLE001 — retried prompt by prompt below, which reports it
-            pass
-        scores: List[Optional[float]] = [error_score] * (B * G)
-        for i, p in enumerate(problems):
-            try:
-                scores[i * G:(i + 1) * G] = _as_scores(call_reward(fn, inputs.slice(i * G, (i + 1) * G)), G, name)
-            except Exception as e:  # noqa: BLE001 — reported, never fatal: one bad verifier call must not kill a run
-                key = getattr(p, "key", "") or p.id
-                errors.append(f"reward {name!r} raised on prompt id {key}: {type(e).__name__}: {e}")
-                if on_error == "drop":
-                    dropped.add(i)
+            scores = [None] * (B * G)
+            for i in range(B):
+                lo, hi = i * G, (i + 1) * G
+                if timeouts:  # an earlier prompt's call timed out: the rest are not tried
+                    failed.update({j: "not scored: an earlier call of this step timed out" for j in range(lo, hi)})
+                    continue
+                try:
+                    scores[lo:hi], bad = check_scores(call_reward(fn, inputs.slice(lo, hi)), G, name)
+                    failed.update({lo + j: why for j, why in bad.items()})
+                except RewardTimeout as e:  # noqa: PERF203
+                    timeouts = 1
+                    failed.update({j: describe(e) for j in range(lo, hi)})
+                except BadScores as e:
+                    failed.update({j: str(e) for j in range(lo, hi)})
+                except Exception as e:  # noqa: BLE001 — reported, never fatal: one bad verifier call must not kill a run
+                    failed.update({j: f"raised {describe(e)}" for j in range(lo, hi)})
+        drain = getattr(fn, "drain_item_errors", None)
+        if callable(drain):
+            for j, why in drain().items():
+                failed.setdefault(j, why)
+        for j in failed:
+            scores[j] = error_score
+        if failed:
+            first = min(failed)
+            i = first // G if G else 0
+            what = "its group dropped" if on_error == "drop" else "scored rewards.error_score"
+            line = (f"reward {name!r} on prompt id {key(i)}: {failed[first]} (completion {first % G if G else 0}); "
+                    f"{what} — {len(failed)} of {B * G} completions failed this step")
+            n_prompts = len({j // G for j in failed}) if G else 0
+            errors.append(line + (f" (on {n_prompts} prompts)" if n_prompts > 1 else ""))
+            if on_error == "drop":
+                dropped.update(j // G for j in failed)
+            if faults is not None:
+                faults.record(name, len(failed), f"prompt id {key(i)}: {failed[first]}", timeouts)
         raw[name] = scores
         inputs.scores[name] = scores
     mixed = combine_rewards(raw, dict(zip(names, weights)), none_score=error_score) if names else None

@@ -5,7 +5,10 @@ A reward is a callable `fn(inputs: RewardInputs) -> list[float | None]` marked w
 `@inputs_reward` (so the scoring path knows to pass the whole `RewardInputs`); a plain
 two-argument callable `fn(completions, answers)` (the older task signature) is still accepted.
 A user's function is imported from `module:function` (`import_reward`) and wrapped to that
-protocol (`user_reward`). The rewards a config names are built in fastgrpo/rewards/registry.py.
+protocol (`user_reward`), which hands it what TRL's GRPOTrainer hands a reward function
+(`trl_kwargs`: completions and prompts in the dataset's own form, message lists on chat data, and
+every dataset column) and, with `rewards.timeout`, runs it in a worker process
+(fastgrpo/rewards/worker.py). The rewards a config names are built in fastgrpo/rewards/registry.py.
 """
 from __future__ import annotations
 
@@ -86,35 +89,97 @@ def import_reward(path: str, field: str = "rewards.functions") -> Callable:
     return fn
 
 
-def user_reward(fn: Callable, name: str = "") -> Callable:
+def chat_prompt(problem) -> Optional[List[dict]]:
+    """The problem's prompt as the dataset holds it when that is a conversation (TRL's
+    `is_conversational`): its `prompt` or `messages` column, else the one column of the row that
+    is a list of {role, content} messages (a mapped `data.columns.prompt` / `messages`), without
+    a final assistant turn (the row's reference reply, as the task reads it); None when the row
+    has no conversation (a plain-text prompt)."""
+    row = getattr(problem, "row", None) or {}
+    found = [row[c] for c in ("prompt", "messages") if _is_messages(row.get(c))]
+    if not found:
+        found = [v for v in row.values() if _is_messages(v)]
+        if len(found) != 1:
+            return None
+    turns = [dict(m) for m in found[0]]
+    return turns[:-1] if len(turns) > 1 and turns[-1].get("role") == "assistant" else turns
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+# TRL hands every dataset column but these to a reward function (GRPOTrainer._calculate_rewards)
+_NOT_KWARGS = ("prompt", "completion", "completion_ids")
+
+
+def trl_kwargs(inputs: RewardInputs) -> Dict[str, Any]:
+    """What TRL's GRPOTrainer passes a reward function, for these inputs: `prompts`, `completions`,
+    `completion_ids` and every dataset column but prompt / completion / completion_ids as a list
+    (one entry per completion). On conversational data (the first problem's row holds a message
+    list, TRL's test on the first prompt) prompts are the message lists and each completion is
+    `[{"role": "assistant", "content": text}]`, as TRL hands them; otherwise both are strings.
+    fastgrpo adds `answers` / `answer` (the task's reference answers) and `tests`."""
+    chat = bool(inputs.problems) and chat_prompt(inputs.problems[0]) is not None
+    if chat:
+        prompts: List[Any] = [chat_prompt(p) or [{"role": "user", "content": getattr(p, "prompt", "")}]
+                              for p in inputs.problems]
+        completions: List[Any] = [[{"role": "assistant", "content": c}] for c in inputs.completions]
+    else:
+        prompts, completions = inputs.prompts, list(inputs.completions)
+    rows = [getattr(p, "row", None) or {} for p in inputs.problems]
+    kw: Dict[str, Any] = {}
+    for col in sorted({k for r in rows for k in r} - set(_NOT_KWARGS)):
+        kw[col] = [r.get(col) for r in rows]
+    kw.update(prompts=prompts, completions=completions, completion_ids=inputs.completion_ids,
+              answers=inputs.answers, answer=inputs.answers, tests=inputs.tests)
+    return kw
+
+
+def user_reward(fn: Callable, name: str = "", timeout: float = 0.0) -> Callable:
     """Adapt a user function to RewardInputs. TRL's reward-function signature is accepted:
-    `fn(prompts, completions, completion_ids, **columns)` with every dataset column as a list
-    (one entry per completion); fastgrpo also passes `answers` (= the `answer` column) and
-    `tests`. Only the keywords the function accepts are passed unless it takes **kwargs; a
-    function with two positional parameters not named as above gets (completions, answers)."""
+    `fn(prompts, completions, completion_ids, **columns)` with what `trl_kwargs` builds
+    (completions as message lists on chat data, as TRL hands them). A function whose required
+    parameters are all among those names is called by keyword (only the ones it accepts, unless
+    it takes **kwargs); one with two positional parameters none of whose names are known gets
+    (completions, answers), fastgrpo's older signature, with plain texts; any other raises a
+    TypeError naming the parameters nothing provides (e.g. TRL's `trainer_state`, not passed).
+
+    `timeout` > 0 with a `module:function` / `file.py:function` name: each call runs in the
+    user-reward worker (fastgrpo.rewards.worker) and raises RewardTimeout past `timeout`
+    seconds; 0: called in this process."""
     import inspect
 
+    from fastgrpo.rewards.worker import WorkerFunction, call_here
+
+    label = name or getattr(fn, "__name__", "fn")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         sig = None
     params = dict(sig.parameters) if sig is not None else {}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    by_kw = var_kw or any(n in params for n in ("prompts", "completions", "completion_ids", "answers", "answer"))
+    required = [n for n, p in params.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    run = WorkerFunction(name, fn, timeout, label) if timeout and ":" in name else None
 
     @inputs_reward
     def call(inputs: RewardInputs):
-        if not by_kw:
-            return fn(inputs.completions, inputs.answers)
-        kw: Dict[str, Any] = {}
-        cols = sorted({k for p in inputs.problems for k in (getattr(p, "row", None) or {})})
-        for col in cols:
-            kw[col] = [(getattr(p, "row", None) or {}).get(col) for p in inputs.problems]
-        kw.update(prompts=inputs.prompts, completions=inputs.completions, completion_ids=inputs.completion_ids,
-                  answers=inputs.answers, answer=inputs.answers, tests=inputs.tests)
-        if not var_kw:
-            kw = {k: v for k, v in kw.items() if k in params}
-        return fn(**kw)
+        kw = trl_kwargs(inputs)
+        if sig is None or all(n in kw for n in required):
+            args, kwargs = (), (kw if var_kw or sig is None else {k: v for k, v in kw.items() if k in params})
+        elif not any(n in kw for n in required) and (len(positional) >= 2 or any(
+                p.kind is p.VAR_POSITIONAL for p in params.values())):
+            args, kwargs = (inputs.completions, inputs.answers), {}
+        else:
+            missing = [n for n in required if n not in kw]
+            raise TypeError(f"cannot call {label}{sig}: its parameters {missing} are neither TRL's (prompts, "
+                            f"completions, completion_ids), fastgrpo's (answers, tests) nor dataset columns "
+                            f"({sorted(k for k in kw if k not in ('prompts', 'completions', 'completion_ids'))})")
+        if run is not None:
+            return run(*args, **kwargs)
+        return call_here(label, fn, *args, **kwargs)
 
-    call.__name__ = f"user_reward[{name or getattr(fn, '__name__', 'fn')}]"
+    call.__name__ = f"user_reward[{label}]"
     return call

@@ -23,7 +23,8 @@ answer equivalence where regex and SymPy fail on notation variants. Here:
   answer restricted to the labels, as G-Eval does; a label that is not one token of the judge's
   vocabulary is a load-time error. When the labels hold less than `min_mass` of the
   probability the judge did not answer in the labels: the item has no score (None →
-  `rewards.error_score`), counted in `reward/<name>/unparsable`. `score: generate` decodes
+  `rewards.error_score`), counted in `reward/<name>/unparsable`, written to the run log each call
+  and said on the console once when more than half of a call's answers are unparsable. `score: generate` decodes
   greedily and takes the first label (as a word) or else the first number of the text.
 - `JudgedAccuracy` (`rewards.accuracy_judge: <judge>`): the math verifier first; the judge is
   asked only for completions whose extracted answer did not parse as mathematics (reason
@@ -284,9 +285,15 @@ class JudgeReward(_ModelReward):
             raise ValueError(f"judge {self.name!r} returned {len(scores)} scores for {len(texts)} texts")
         bad = sum(s is None for s in scores)
         self.calls, self.items, self.unparsable = self.calls + 1, len(scores), bad
-        if bad:
-            logger.warning("judge %r: no parsable score for %d of %d items (scored rewards.error_score)",
-                           self.name, bad, len(scores))
+        if bad:  # every call: the run log (fastgrpo.trainer.console routes this logger to <run>/log.txt)
+            logging.getLogger("fastgrpo.reward_output").info(
+                "judge %r: no parsable score for %d of %d items (scored rewards.error_score)", self.name, bad, len(scores))
+        if 2 * bad > len(scores) and not getattr(self, "_said_unparsable", False):
+            self._said_unparsable = True  # the console once: a judge that mostly does not answer is misconfigured
+            logger.warning("judge %r: %d of %d answers had no parsable score (scored rewards.error_score, counted in "
+                           "reward/%s/unparsable; said once) — check rewards.models.%s: its rubric should ask for one "
+                           "of the labels %s%s", self.name, bad, len(scores), self.name, self.name, list(self.cfg.labels),
+                           "" if self.cfg.score == "generate" else f", min_mass={self.cfg.min_mass}")
         return scores
 
     def __call__(self, inputs) -> List[Optional[float]]:

@@ -25,9 +25,11 @@ Scorer (`scorer`): a user function `fn(prompt: str, steps: list[str], answer: st
 list[float]` (one score per step, finite; as `module:function` or `file.py:function`) or the
 built-in `arithmetic` (the demo task: a think step is right when it restates the prompt's two
 operands, an answer step when it holds their sum). A scorer that raises, returns the wrong
-number of scores or a non-finite one, and a completion with no steps are reported (the trainer's
-`reward error` line, naming the prompt id) and scored `rewards.error_score` as the outcome
-reward; in dense mode such a completion gets no step advantage. Departures: DeepSeekMath credits a
+number of scores or one that is not a real number (fastgrpo.rewards.faults), and a completion
+with no steps are reported (the trainer's one `reward error` line per step, naming the first
+prompt id and the count) and scored `rewards.error_score` as the outcome reward; in dense mode
+such a completion gets no step advantage. A user scorer runs in the user-reward worker under
+`rewards.timeout` (fastgrpo/rewards/worker.py), the batch's completions in one round trip. Departures: DeepSeekMath credits a
 token with the sum of the normalised scores of its step and every later one (`dense_credit:
 to_go`); the default (`step`) gives a token its own step's score only, which keeps a correct
 early step positive after a wrong later one.
@@ -229,55 +231,94 @@ class ProcessReward:
     takes_inputs = True
 
     def __init__(self, scorer: Callable, splitter: StepSplitter, reduction: str = "min", dense_weight: float = 0.0,
-                 credit: str = "step", name: str = "process"):
+                 credit: str = "step", name: str = "process", runner=None):
         if reduction not in REDUCTIONS:
             raise ValueError(f"config rewards.process.reduction={reduction!r}: expected one of {list(REDUCTIONS)}")
         if credit not in CREDITS:
             raise ValueError(f"config rewards.process.dense_credit={credit!r}: expected one of {list(CREDITS)}")
         self.scorer, self.splitter, self.reduction = scorer, splitter, reduction
         self.dense_weight, self.credit, self.name = float(dense_weight), credit, name
+        self.runner = runner  # a user scorer in the user-reward worker (rewards.timeout): WorkerFunction, or None
         self._last: Optional[Tuple[List[str], List[StepResult]]] = None
         self._errors: List[str] = []
+        self._item_errors: Dict[int, str] = {}  # the last call's failed completions (drain_item_errors)
         self._pieces: Dict[int, str] = {}  # token id → its decode (token_offsets' fast path)
 
     @property
     def dense(self) -> bool:
         return self.dense_weight > 0
 
+    @staticmethod
+    def _check(spans: List[Span], got) -> StepResult:
+        """The step result of a scorer's answer `got` for `spans`."""
+        from fastgrpo.rewards.faults import check_score
+
+        try:
+            got = list(got)
+        except TypeError:
+            return StepResult(spans, None, f"the scorer returned a {type(got).__name__}, expected a list of scores")
+        if len(got) != len(spans):
+            return StepResult(spans, None, f"the scorer returned {len(got)} scores for {len(spans)} steps")
+        vals = []
+        for v in got:
+            f, why = check_score(v)
+            if why is not None or f is None:
+                return StepResult(spans, None, f"the scorer returned {why or 'None'} among its step scores")
+            vals.append(f)
+        return StepResult(spans, vals)
+
     def score_one(self, prompt: str, text: str, answer: str) -> StepResult:
         spans = self.splitter.spans(text)
         if not spans:
             return StepResult(spans, None, "the step splitter found no steps in the completion")
         try:
-            got = list(self.scorer(prompt, [text[a:b] for a, b in spans], answer))
+            got = self.scorer(prompt, [text[a:b] for a, b in spans], answer)
         except Exception as e:  # noqa: BLE001 — a user scorer's failure is reported, never fatal
             return StepResult(spans, None, f"the scorer raised {type(e).__name__}: {e}")
-        if len(got) != len(spans):
-            return StepResult(spans, None, f"the scorer returned {len(got)} scores for {len(spans)} steps")
+        return self._check(spans, got)
+
+    def _score_in_worker(self, items: List[Tuple[str, str, str]]) -> List[StepResult]:
+        from fastgrpo.rewards.worker import describe
+
+        spans = [self.splitter.spans(text) for _, text, _ in items]
+        todo = [k for k, sp in enumerate(spans) if sp]
+        out = [StepResult(sp, None, "the step splitter found no steps in the completion") for sp in spans]
         try:
-            vals = [float(v) for v in got]
-        except (TypeError, ValueError):
-            return StepResult(spans, None, f"the scorer returned a non-number among {got!r:.80}")
-        if not all(math.isfinite(v) for v in vals):
-            return StepResult(spans, None, f"the scorer returned a non-finite score among {vals}")
-        return StepResult(spans, vals)
+            got = self.runner.each([(items[k][0], [items[k][1][a:b] for a, b in spans[k]], items[k][2]) for k in todo])
+        except Exception as e:  # noqa: BLE001 — a timeout or a crashed worker fails the whole call
+            for k in todo:
+                out[k] = StepResult(spans[k], None, f"the scorer {describe(e)}")
+            return out
+        for k, (ok, value) in zip(todo, got):
+            out[k] = self._check(spans[k], value) if ok else StepResult(spans[k], None, f"the scorer raised {value}")
+        return out
 
     def score(self, inputs: RewardInputs) -> List[StepResult]:
         """Step results of every completion of `inputs` (kept for `results_for`); failures are
-        queued for `drain_errors`, one line per prompt and reason naming the prompt id and the
-        completions' indices in their group."""
+        kept for `drain_item_errors` (the scoring path reports them) and queued for
+        `drain_errors`, one line per call naming the first prompt id and the count."""
         G = max(1, inputs.group_size)
-        out, failed = [], {}  # (prompt key, why) → the completions (index in the group): one line each
-        for j, (text, prob) in enumerate(zip(inputs.completions, inputs.problems)):
-            r = self.score_one(getattr(prob, "prompt", ""), text, str(getattr(prob, "answer", "")))
-            if r.error is not None:
-                key = getattr(prob, "key", "") or getattr(prob, "id", j // G)
-                failed.setdefault((key, r.error), []).append(str(j % G))
-            out.append(r)
-        for (key, why), js in failed.items():
-            which = f"completion {js[0]}" if len(js) == 1 else f"completions {', '.join(js)}"
-            self._errors.append(f"reward {self.name!r} on prompt id {key} ({which}): {why}; scored rewards.error_score")
+        items = [(getattr(p, "prompt", ""), text, str(getattr(p, "answer", "")))
+                 for text, p in zip(inputs.completions, inputs.problems)]
+        if self.runner is not None:
+            out = self._score_in_worker(items)
+        else:
+            out = [self.score_one(*it) for it in items]
+        self._item_errors = {j: r.error for j, r in enumerate(out) if r.error is not None}
+        self._errors = []
+        if self._item_errors:
+            j = min(self._item_errors)
+            prob = inputs.problems[j]
+            key = getattr(prob, "key", "") or getattr(prob, "id", j // G)
+            n = len(self._item_errors)
+            self._errors.append(f"reward {self.name!r} on prompt id {key}: {self._item_errors[j]} (completion {j % G}); "
+                                f"scored rewards.error_score — {n} of {len(out)} completions failed this step")
         self._last = (list(inputs.completions), out)
+        return out
+
+    def drain_item_errors(self) -> Dict[int, str]:
+        """{completion index: why} of the last call (then forgotten, with its `drain_errors` line)."""
+        out, self._item_errors, self._errors = self._item_errors, {}, []
         return out
 
     def __call__(self, inputs: RewardInputs) -> List[Optional[float]]:
@@ -327,19 +368,24 @@ def token_advantages(outcome: float, completion):
     return outcome if step is None else step + np.float32(outcome)
 
 
-def build_process(pcfg) -> Optional[ProcessReward]:
+def build_process(pcfg, timeout: float = 0.0) -> Optional[ProcessReward]:
     """The ProcessReward of a `ProcessConfig`, or None when `scorer` is empty. A scorer path that
     does not import, an unknown built-in, a bad regex or reduction raise ValueError naming the
-    field (at load, before any model starts)."""
+    field (at load, before any model starts). `timeout` > 0 (rewards.timeout): a user scorer runs
+    in the user-reward worker, one round trip per batch with that many seconds."""
     if not pcfg.scorer:
         return None
+    runner = None
     if ":" in pcfg.scorer:
+        from fastgrpo.rewards.worker import WorkerFunction
+
         fn = import_reward(pcfg.scorer, field="rewards.process.scorer")
+        runner = WorkerFunction(pcfg.scorer, fn, timeout, "process") if timeout > 0 else None
     elif pcfg.scorer in SCORERS:
         fn = SCORERS[pcfg.scorer]
     else:
         raise ValueError(f"config rewards.process.scorer={pcfg.scorer!r}: expected a built-in scorer among "
                          f"{sorted(SCORERS)} or a user function as 'module:function' / 'file.py:function'")
     return ProcessReward(fn, StepSplitter(pcfg.delimiter, pcfg.regex), pcfg.reduction, pcfg.dense_weight,
-                         pcfg.dense_credit)
+                         pcfg.dense_credit, runner=runner)
 

@@ -14,14 +14,23 @@ from fastgrpo.rewards.inputs import (RewardInputs, call_reward, import_reward, i
 class Rewards:
     """The rewards of a run: name → `@inputs_reward` callable, built once from the config and the
     task (`build_rewards`); holds the state some rewards keep (the Kimi gate), checkpointed with
-    `state_dict`; `process` is the run's `ProcessReward` (rewards.process), None without one."""
+    `state_dict`; `process` is the run's `ProcessReward` (rewards.process), None without one;
+    `verifier` is the task's accuracy (what a held-out evaluation scores, whatever the training
+    rewards are), None when the task defines none; `faults` counts the rewards' failures
+    (fastgrpo.rewards.faults.RewardFaults)."""
 
-    def __init__(self, fns: Dict[str, Callable], gate=None, process=None):
+    def __init__(self, fns: Dict[str, Callable], gate=None, process=None, verifier=None):
+        from fastgrpo.rewards.faults import RewardFaults
+
         self.fns = fns
         self.gate = gate
         self.process = process
+        self.verifier = verifier
+        self.faults = RewardFaults()
 
     def __getitem__(self, name: str) -> Callable:
+        if name == "accuracy" and name not in self.fns and self.verifier is not None:
+            return self.verifier  # the task's accuracy for the callers that measure (fusion's sweep), not trained on
         return self.fns[name]
 
     def __contains__(self, name: str) -> bool:
@@ -35,14 +44,20 @@ class Rewards:
 
     def metrics(self) -> Dict[str, float]:
         """The counters some rewards keep about their last call (judge asks, unparsable scores)."""
-        return {k: v for fn in self.fns.values() if hasattr(fn, "metrics") for k, v in fn.metrics().items()}
+        out = {k: v for fn in self.fns.values() if hasattr(fn, "metrics") for k, v in fn.metrics().items()}
+        out.update(self.faults.metrics())
+        return out
 
     def state_dict(self) -> dict:
-        return {"kimi_gate": self.gate.state_dict()} if self.gate is not None else {}
+        out = {"kimi_gate": self.gate.state_dict()} if self.gate is not None else {}
+        out["faults"] = self.faults.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         if self.gate is not None and state.get("kimi_gate") is not None:
             self.gate.load_state_dict(state["kimi_gate"])
+        if state.get("faults") is not None:
+            self.faults.load_state_dict(state["faults"])
 
 
 def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
@@ -56,11 +71,15 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
 
     from fastgrpo.rewards.process import build_process
 
+    from fastgrpo.rewards.worker import TimedReward
+
     task_fns = dict(task.reward_fns()) if hasattr(task, "reward_fns") else {}
     task_name = getattr(task, "name", type(task).__name__)
     fns: Dict[str, Callable] = {}
     gate = None
-    process = build_process(rcfg.process)  # its scorer imported here: a bad path fails at load
+    timeout = float(getattr(rcfg, "timeout", 0.0) or 0.0)  # rewards.timeout: user and model rewards
+    process = build_process(rcfg.process, timeout)  # its scorer imported here: a bad path fails at load
+    timed = (lambda fn, name: TimedReward(fn, name, timeout)) if timeout > 0 else (lambda fn, name: fn)  # noqa: E731
 
     def accuracy_of(inputs: RewardInputs):
         if "accuracy" in inputs.scores:
@@ -77,20 +96,23 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
         if name in models and name not in task_fns:  # a reward model / judge (fastgrpo.rewards.judge), loaded once, here at load time
             from fastgrpo.rewards.judge import load_model_reward
 
-            fns[name] = load_model_reward(name, models[name])
+            fns[name] = timed(load_model_reward(name, models[name]), name)
         elif name == "accuracy" and getattr(rcfg, "accuracy_judge", ""):
             from fastgrpo.rewards.judge import JudgedAccuracy, load_model_reward
 
             if not hasattr(task, "extract"):
                 raise ValueError(f"config rewards.accuracy_judge={rcfg.accuracy_judge!r}: task {task_name}'s accuracy is "
                                  "not the symbolic math verifier (the judge backs a math task's accuracy)")
-            fns[name] = JudgedAccuracy(load_model_reward(rcfg.accuracy_judge, models[rcfg.accuracy_judge]), task.extract)
+            fns[name] = timed(JudgedAccuracy(load_model_reward(rcfg.accuracy_judge, models[rcfg.accuracy_judge]),
+                                             task.extract), name)
         elif ":" in name:
-            fns[name] = user_reward(import_reward(name), name)
+            fns[name] = user_reward(import_reward(name), name, timeout)
         elif name in task_fns:  # the task's own definition wins (e.g. its accuracy, its format)
             fn = task_fns[name]
             fns[name] = fn if getattr(fn, "takes_inputs", False) else inputs_reward(
                 lambda inputs, fn=fn: fn(inputs.completions, inputs.answers))
+            if name in models:  # a reward model the task routes (rm_stage): under rewards.timeout as well
+                fns[name] = timed(fns[name], name)
         elif name == "accuracy":
             raise ValueError(f"config rewards.functions[{i}]='accuracy': task {task_name} defines no accuracy reward")
         elif name == "process":
@@ -130,4 +152,9 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
                 return code_reward(inputs.completions, tests, timeout)
 
             fns[name] = inputs_reward(code)
-    return Rewards(fns, gate, process)
+    verifier = fns.get("accuracy")
+    if verifier is None and "accuracy" in task_fns:  # held-out accuracy is the task's, whatever the run trains on
+        acc = task_fns["accuracy"]
+        verifier = acc if getattr(acc, "takes_inputs", False) else inputs_reward(
+            lambda inputs, fn=acc: fn(inputs.completions, inputs.answers))
+    return Rewards(fns, gate, process, verifier)

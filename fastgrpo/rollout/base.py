@@ -71,6 +71,8 @@ class Completion:
     text: str = ""                    # decoded completion, special tokens skipped
     sampled_mask: List[int] = field(default_factory=list)  # 1 = sampled, 0 = forced (interrupt)
     prompt_index: int = 0             # which prompt of the call it answers
+    policy_version: Optional[int] = None  # weights version that sampled its first token (async workers; None = colocated)
+    token_versions: Optional[List[int]] = None  # per token, only when the weights changed mid-generation
 
     def __post_init__(self):
         if not self.sampled_mask:

@@ -24,6 +24,8 @@ from typing import List, Optional
 
 import torch
 
+from fastgrpo.models.lora import effective_weight
+
 
 def uniforms(gens: List[Optional[torch.Generator]], steps: int, device) -> torch.Tensor:
     """u [rows, steps] in [0, 1): row r from gens[r] when it has one (its own stream: the same
@@ -66,6 +68,12 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: 
         nxt = torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:], right=True)[:, 0]
     lp = z.gather(-1, nxt[:, None])[:, 0] - lse
     return nxt, lp
+
+
+def _w(m) -> torch.Tensor:
+    """The weight a projection computes with: its own, or W + s·B A under an active LoRA adapter
+    (PEFT's wrapper exposes only the base weight: reading `.weight` would sample from the base)."""
+    return effective_weight(m) if hasattr(m, "lora_A") else m.weight
 
 
 def _cat_bias(*linears) -> Optional[torch.Tensor]:
@@ -138,14 +146,14 @@ def native_weights(base, big: int):
         b_qkv, b_gu = _cat_bias(a.q_proj, a.k_proj, a.v_proj), _cat_bias(m.gate_proj, m.up_proj)
         biases = [empty if t is None else t.contiguous() for t in (b_qkv, a.o_proj.bias, b_gu, m.down_proj.bias)]
         if _streamed(m.gate_proj.weight, big):
-            w = [t.weight.contiguous() for t in (a.q_proj, a.o_proj, m.gate_proj, m.down_proj, a.k_proj, a.v_proj,
-                                                  m.up_proj)]
+            w = [_w(t).contiguous() for t in (a.q_proj, a.o_proj, m.gate_proj, m.down_proj, a.k_proj, a.v_proj,
+                                              m.up_proj)]
             extra += w[4:]
         else:
-            w = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous(),
-                 a.o_proj.weight.t().contiguous(),
-                 torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
-                 m.down_proj.weight.t().contiguous()]
+            w = [torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]).t().contiguous(),
+                 _w(a.o_proj).t().contiguous(),
+                 torch.cat([_w(m.gate_proj), _w(m.up_proj)]).t().contiguous(),
+                 _w(m.down_proj).t().contiguous()]
         flat += [norms[0], norms[1], w[0], biases[0], w[1], biases[1], w[2], biases[2], w[3], biases[3],
                  qk[0], qk[1]]
     if extra and len(extra) != 3 * len(base.layers):
@@ -240,11 +248,11 @@ class LeanStepper:
                     if hasattr(a, "q_norm") else None)
             self.layers.append((
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]),
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                a.o_proj.weight, a.o_proj.bias,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
-                m.down_proj.weight, m.down_proj.bias,
+                _w(a.o_proj), a.o_proj.bias,
+                torch.cat([_w(m.gate_proj), _w(m.up_proj)]), _cat_bias(m.gate_proj, m.up_proj),
+                _w(m.down_proj), m.down_proj.bias,
                 *((a.q_norm.weight, a.k_norm.weight) if qk_w is not None else (None, None)), qk_w))
         shape = (B, self.n_kv, size, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in base.layers]

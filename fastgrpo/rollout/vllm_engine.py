@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from fastgrpo import env
+from fastgrpo.models import lora
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 from fastgrpo.sync.bucket import ALIGN, DEFAULT_BUCKET_BYTES
 
@@ -99,6 +100,18 @@ def _claim_sleep_mode(engine, requested: Optional[bool]) -> bool:
     return True
 
 
+def vllm_lora_unsupported_reason(model=None) -> Optional[str]:
+    """None when this vLLM can serve LoRA adapters (`enable_lora` + a `LoRARequest` per sync,
+    fastgrpo.sync.adapter), else why not."""
+    if not vllm_available():
+        return "the vllm package is not importable"
+    try:
+        from vllm.lora.request import LoRARequest  # noqa: F401
+    except ImportError as e:
+        return f"this vLLM has no LoRA support ({e})"
+    return None
+
+
 def vllm_available() -> bool:
     env.apply_vllm_defaults()
     try:
@@ -137,16 +150,21 @@ class VLLMEngine(RolloutEngine):
         self._tmpdir = None
         self._sender = None
         self.llm = None
+        self._adapters = None  # LoRA with lora.sync=adapter: the versioned adapter folders (fastgrpo.sync.adapter)
+        self.lora_sync = lora.sync_mode(model) if isinstance(model, torch.nn.Module) and lora.is_lora(model) else None
         if isinstance(model, torch.nn.Module):
             dtype = dtype or next(model.parameters()).dtype
             self._tmpdir = tempfile.mkdtemp(prefix="fastgrpo_vllm_")
             # the snapshot is removed with the engine even when close() is never called
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
-            model.save_pretrained(self._tmpdir, safe_serialization=True)
+            if self.lora_sync is not None:  # the base (adapter mode) or the merged weights, by their HF names
+                llm_kwargs = {**llm_kwargs, **self._lora_snapshot(model)}
+            else:
+                model.save_pretrained(self._tmpdir, safe_serialization=True)
+                self.expected_names = [n for n, _ in model.named_parameters()]
             if tokenizer is not None:
                 tokenizer.save_pretrained(self._tmpdir)
             path = self._tmpdir
-            self.expected_names = [n for n, _ in model.named_parameters()]
         elif isinstance(model, str) and os.path.isdir(model):
             path = model
             self.expected_names = _checkpoint_names(path)
@@ -179,6 +197,28 @@ class VLLMEngine(RolloutEngine):
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self._sender = self._make_sender(bucket_bytes) if transport in ("shm", "cuda_ipc") else None
+
+    def _lora_snapshot(self, model) -> Dict[str, Any]:
+        """Write the snapshot of a LoRA module: base weights with the adapter as its first version
+        (lora.sync=adapter; returns vLLM's LoRA settings), or the merged weights (merged)."""
+        from fastgrpo.sync.adapter import AdapterFolders, lora_rank, vllm_max_lora_rank
+
+        if self.lora_sync == "adapter":
+            why = vllm_lora_unsupported_reason(model)
+            if why is not None:
+                raise ValueError(f"model.lora.sync='adapter': this vLLM engine cannot load adapters ({why}); "
+                                 "set model.lora.sync=merged")
+            with lora.adapter_disabled(model):
+                state = lora.merged_state_dict(model)  # with the adapter off: the base itself
+        else:
+            state = lora.merged_state_dict(model)
+        model.save_pretrained(self._tmpdir, safe_serialization=True, state_dict=state)
+        self.expected_names = [n for n, _ in lora.named_merged_parameters(model)]
+        if self.lora_sync != "adapter":
+            return {}
+        self._adapters = AdapterFolders(os.path.join(self._tmpdir, "adapters"))
+        self._adapters.write(model)
+        return dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(lora_rank(model)))
 
     def _start(self, path, tokenizer, max_model_len, max_num_seqs, kv_cache_bytes, gpu_util, seed, eager, extra):
         env.apply_vllm_defaults()
@@ -236,6 +276,10 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, model_or_named):
         """Bucketed sync of a module's parameters (or (name, tensor) pairs, HF names)."""
+        if self.lora_sync == "adapter" and isinstance(model_or_named, torch.nn.Module):
+            return self._sync_adapter(model_or_named)
+        if self.lora_sync == "merged" and isinstance(model_or_named, torch.nn.Module):
+            model_or_named = lora.named_merged_parameters(model_or_named)
         named = model_or_named.named_parameters() if isinstance(model_or_named, torch.nn.Module) else model_or_named
         named = [(n, t.detach()) for n, t in named]
         if "weights" in self._asleep:
@@ -250,6 +294,17 @@ class VLLMEngine(RolloutEngine):
         self._weights_discarded = False  # every engine parameter was sent (check_names)
         self.llm.reset_prefix_cache()
         return stats
+
+    def _sync_adapter(self, model):
+        """lora.sync=adapter: the adapter alone, as the next versioned folder (fastgrpo.sync.adapter)."""
+        from fastgrpo.sync.sender import SyncStats
+
+        if not lora.is_lora(model):
+            raise ValueError("update_weights: this engine serves a LoRA policy (lora.sync=adapter); expected the "
+                             "LoRA module, got one without an adapter")
+        _, nbytes, seconds = self._adapters.write(model)
+        self.llm.reset_prefix_cache()  # no prefix computed with the previous adapter is reused
+        return SyncStats(seconds, nbytes, 1)
 
     def sync_per_parameter(self, model_or_named):
         """TRL-style sync, one engine call per parameter (the baseline of bench_sync)."""
@@ -309,7 +364,9 @@ class VLLMEngine(RolloutEngine):
                                  include_stop_str_in_output=True, skip_special_tokens=True)
                   for s in seeds]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        # LoRA (lora.sync=adapter): the newest adapter version, under its own id
+        request = self._adapters.request() if self._adapters is not None else None
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=request)
         result = []
         for out in outs:
             o = out.outputs[0]

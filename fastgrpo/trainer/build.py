@@ -25,25 +25,90 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def build_model(mcfg: ModelConfig):
     """(model, tokenizer): the tiny char-level model, a HF directory, or a fastgrpo checkpoint /
     run folder (its latest checkpoint's `model/`)."""
-    dtype = _DTYPES[mcfg.dtype]
-    if mcfg.path == "tiny":
-        from fastgrpo.models.tiny import build_tiny_model
+    from fastgrpo.models import lora
 
-        model, tok = build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, hidden_size=mcfg.hidden_size,
-                                      num_hidden_layers=mcfg.num_hidden_layers,
-                                      intermediate_size=mcfg.intermediate_size,
-                                      num_attention_heads=mcfg.num_attention_heads,
-                                      num_key_value_heads=1, head_dim=mcfg.hidden_size // mcfg.num_attention_heads)
+    dtype = _DTYPES[mcfg.dtype]
+    adapter = None
+    if mcfg.path == "tiny":
+        model, tok = _tiny_model(mcfg, dtype)
+        base = tiny_ref(mcfg)  # an adapter's saved base: the tiny model of these sizes and seed
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_model_dir(mcfg.path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(path)
+        # a PEFT adapter folder (a LoRA run's checkpoint among them): its base, then the adapter
+        adapter = path if lora.is_adapter_dir(path) else None
+        base = lora.adapter_base(adapter) if adapter else path
+        if is_tiny_ref(base):
+            model, tok = _tiny_model(tiny_config_of(base, mcfg), dtype)
+        else:
+            base = resolve_adapter_base(mcfg.path, base) if adapter else base
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        if adapter is None or not is_tiny_ref(base):
+            tok = AutoTokenizer.from_pretrained(path if _has_tokenizer(path) else base)
+    if adapter is not None:
+        model = lora.load_adapter_model(model, adapter, mcfg.lora)
+    elif mcfg.lora.rank:
+        model = lora.attach_lora(model, mcfg.lora, base)  # only the adapter requires a gradient
+    if lora.is_lora(model):  # what an engine with weights of its own gets at each sync
+        model.__dict__[lora.SYNC_ATTR] = mcfg.lora.sync
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    patch_model(model)  # oneDNN linears, fused decoder layers (fastgrpo.models.patch)
+        if lora.is_lora(model):  # frozen embeddings: checkpointed blocks still need an input that requires grad
+            model.enable_input_require_grads()
+    patch_model(model)  # oneDNN linears, fused decoder layers (fastgrpo.models.patch); after LoRA: they take it
     return model, tok
+
+
+_TINY_FIELDS = ("arch", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "seed")
+
+
+def tiny_ref(mcfg: ModelConfig) -> str:
+    """The base name a LoRA adapter of the tiny model records: "tiny:arch=qwen2,hidden_size=64,…"
+    (the tiny model is rebuilt from these, not from whatever the loading config says)."""
+    return "tiny:" + ",".join(f"{k}={getattr(mcfg, k)}" for k in _TINY_FIELDS)
+
+
+def is_tiny_ref(base: str) -> bool:
+    return base == "tiny" or base.startswith("tiny:")
+
+
+def tiny_config_of(base: str, mcfg: ModelConfig) -> ModelConfig:
+    """`mcfg` with the tiny model's fields of an adapter's base name (`tiny_ref`)."""
+    import dataclasses
+
+    if base == "tiny":
+        return mcfg
+    try:
+        fields = dict(item.split("=", 1) for item in base[len("tiny:"):].split(","))
+        kw = {k: (v if k == "arch" else int(v)) for k, v in fields.items() if k in _TINY_FIELDS}
+    except ValueError:
+        raise ValueError(f"model.path: adapter base {base!r}: expected tiny:arch=…,hidden_size=…") from None
+    return dataclasses.replace(mcfg, **kw)
+
+
+def _tiny_model(mcfg: ModelConfig, dtype):
+    from fastgrpo.models.tiny import build_tiny_model
+
+    return build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, hidden_size=mcfg.hidden_size,
+                            num_hidden_layers=mcfg.num_hidden_layers, intermediate_size=mcfg.intermediate_size,
+                            num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=1,
+                            head_dim=mcfg.hidden_size // mcfg.num_attention_heads)
+
+
+def resolve_adapter_base(model_path: str, base: str) -> str:
+    """The model folder of an adapter's base (`resolve_model_dir`), or an error naming model.path
+    when the base it names is missing."""
+    local = os.path.isabs(base) or base.startswith(".") or base.startswith("~") or base.count("/") != 1
+    if local and not os.path.exists(base) and base != "smollm2-135m":
+        raise ValueError(f"model.path={model_path!r}: its base model {base!r} (adapter_config.json "
+                         "base_model_name_or_path) is missing; expected the base's folder or hub id there")
+    return resolve_model_dir(base)
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                               "tokenizer.model"))
 
 
 def resolve_model_dir(path: str) -> str:
@@ -91,10 +156,22 @@ def build_tokenizer(mcfg: ModelConfig):
         return build_char_tokenizer(), tiny_config(mcfg.arch).max_position_embeddings
     from transformers import AutoConfig, AutoTokenizer
 
+    from fastgrpo.models import lora
+
     path = resolve_model_dir(mcfg.path)
+    if lora.is_adapter_dir(path):  # a PEFT adapter folder: the context is its base's
+        base = lora.adapter_base(path)
+        if is_tiny_ref(base):
+            from fastgrpo.models.tiny import build_char_tokenizer, tiny_config
+
+            return build_char_tokenizer(), tiny_config(tiny_config_of(base, mcfg).arch).max_position_embeddings
+        base = resolve_adapter_base(mcfg.path, base)
+        path = path if _has_tokenizer(path) else base
+    else:
+        base = path
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        mc = AutoConfig.from_pretrained(path)
+        mc = AutoConfig.from_pretrained(base)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"model.path={mcfg.path!r}: cannot load its tokenizer / config ({first})") from None

@@ -1,6 +1,7 @@
 """A quiet console: fastgrpo's progress bar and one line per phase event on the terminal; the
-logs of the libraries underneath (vLLM, transformers, DeepSpeed, datasets, Python warnings) go to
-`<run folder>/log.txt` instead, unless `--verbose`.
+logs of the libraries underneath (vLLM, transformers, DeepSpeed, datasets, Python warnings) and
+what user reward functions print or warn (`fastgrpo.reward_output`, relayed from their worker by
+fastgrpo/rewards/worker.py) go to `<run folder>/log.txt` instead, unless `--verbose`.
 
 `quiet_console(out_dir)` is called by the CLI before the libraries are imported (vLLM configures
 its own stdout handler at import unless VLLM_CONFIGURE_LOGGING=0; its engine-core processes
@@ -15,7 +16,9 @@ import os
 import warnings
 
 LIBRARY_LOGGERS = ("vllm", "transformers", "DeepSpeed", "deepspeed", "datasets", "triton",
-                   "huggingface_hub", "py.warnings", "urllib3", "filelock", "accelerate", "trl")
+                   "huggingface_hub", "py.warnings", "urllib3", "filelock", "accelerate", "trl",
+                   "fastgrpo.reward_output")  # what user rewards print and warn (fastgrpo/rewards/worker.py), judge counts
+_INFO_LOGGERS = ("vllm", "DeepSpeed", "deepspeed", "fastgrpo.reward_output")  # their INFO records are kept too
 
 
 def quiet_console(out_dir: str, verbose: bool = False) -> str:
@@ -38,7 +41,7 @@ def quiet_console(out_dir: str, verbose: bool = False) -> str:
         # libraries that add their own console handler when imported later (DeepSpeed does, at
         # import) keep writing to the file only
         lg.__class__ = _FileOnlyLogger
-        lg.setLevel(logging.INFO if name in ("vllm", "DeepSpeed", "deepspeed") else logging.WARNING)
+        lg.setLevel(logging.INFO if name in _INFO_LOGGERS else logging.WARNING)
     logging.captureWarnings(True)
     warnings.simplefilter("default")
     try:

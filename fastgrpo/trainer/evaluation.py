@@ -6,6 +6,11 @@ one correct sample (accuracy reward > 0) among their n = eval.num_samples sample
 eval.pass_k (k ≤ n), `eval/pass@k` is Chen et al. (2021)'s unbiased estimator from the same n
 samples, the mean over problems of 1 − C(n − c, k) / C(n, k) with c correct samples (at k = n it
 is the plain fraction above).
+
+Accuracy is the task's verifier (`Rewards.verifier`) whatever the run trains on: a run whose
+rewards are only the user's own is still measured by the task's answers. A task with no verifier
+evaluates what it can — `eval/length_mean`, `eval/truncated`, each training reward's mean
+(`eval/reward/<name>`) — and says so once; its result has no `eval/accuracy`.
 """
 from __future__ import annotations
 
@@ -27,11 +32,48 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: RolloutConfig) -> Dict[str, float]:
+def _verifier(reward_fns):
+    """The task's accuracy: `Rewards.verifier` (fastgrpo.rewards.registry), which is the task's
+    verifier whatever the training rewards are; a plain mapping's 'accuracy'; None when neither."""
+    if hasattr(reward_fns, "verifier"):
+        return reward_fns.verifier
+    try:
+        return reward_fns["accuracy"] if "accuracy" in reward_fns else None
+    except TypeError:
+        return None
+
+
+def _no_verifier(reward_fns, log) -> None:
+    """Say once per set of rewards that held-out accuracy cannot be measured."""
+    if getattr(reward_fns, "_said_no_verifier", False):
+        return
+    log("[fastgrpo] held-out evaluation: the task has no verifier (no 'accuracy' reward), so eval/accuracy and "
+        "pass@k are not measured; logged instead: eval/length_mean, eval/truncated and each training reward's mean "
+        "(eval/reward/<name>)")
+    try:
+        reward_fns._said_no_verifier = True
+    except AttributeError:  # a plain dict: said every time
+        pass
+
+
+def _mean_score(fn, inputs) -> float:
+    """A training reward's mean on the held-out completions (None and non-numbers as 0; a reward
+    that raises gives NaN: a held-out evaluation never stops a run)."""
+    from fastgrpo.rewards.faults import check_score
+    from fastgrpo.rewards.registry import call_reward
+
+    try:
+        vals = [check_score(v)[0] for v in call_reward(fn, inputs)]
+    except Exception:  # noqa: BLE001 — the training path reports this reward's failures
+        return float("nan")
+    return float(np.mean([0.0 if v is None else v for v in vals])) if vals else 0.0
+
+
+def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: RolloutConfig,
+             log=print) -> Dict[str, float]:
     if not problems:
         raise ValueError("problems: the held-out split is empty (data.num_heldout = 0 or no eval_path); nothing to evaluate")
-    if "accuracy" not in reward_fns:
-        raise ValueError(f"reward_fns: evaluation needs an 'accuracy' reward, the task has {sorted(reward_fns)}")
+    verifier = _verifier(reward_fns)
     problems = list(problems)[: ecfg.max_problems]
     k = ecfg.num_samples
     sampling = sampling_config(rcfg, temperature=ecfg.temperature, seed=1234 if ecfg.temperature > 0 else None)
@@ -43,17 +85,27 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
                           lengths=[len(c.token_ids) for c in comps],
                           truncated=[getattr(c, "finish_reason", "stop") == "length" for c in comps],
                           completion_ids=[list(c.token_ids) for c in comps], group_size=k)
-    acc = np.asarray([0.0 if v is None else float(v) for v in call_reward(reward_fns["accuracy"], inputs)]).reshape(-1, k)
-    out = {"eval/accuracy": float(acc.mean()), f"eval/pass@{k}": float((acc.max(axis=1) > 0).mean()),
-           "eval/num_problems": float(len(problems))}
-    correct = (acc > 0).sum(axis=1)
-    for kk in getattr(ecfg, "pass_k", ()) or ():
-        if not 1 <= kk <= k:
-            raise ValueError(f"eval.pass_k: {kk} is not in [1, eval.num_samples={k}]")
-        out[f"eval/pass@{kk}"] = float(np.mean([pass_at_k(k, int(c), int(kk)) for c in correct]))
+    out = {"eval/num_problems": float(len(problems))}
+    if verifier is not None:
+        acc = np.asarray([0.0 if v is None else float(v) for v in call_reward(verifier, inputs)]).reshape(-1, k)
+        out.update({"eval/accuracy": float(acc.mean()), f"eval/pass@{k}": float((acc.max(axis=1) > 0).mean())})
+        correct = (acc > 0).sum(axis=1)
+        for kk in getattr(ecfg, "pass_k", ()) or ():
+            if not 1 <= kk <= k:
+                raise ValueError(f"eval.pass_k: {kk} is not in [1, eval.num_samples={k}]")
+            out[f"eval/pass@{kk}"] = float(np.mean([pass_at_k(k, int(c), int(kk)) for c in correct]))
+    else:
+        _no_verifier(reward_fns, log)
+        acc = np.full((len(problems), k), np.nan)  # no verifier score for any completion
+        for name in list(getattr(reward_fns, "keys", lambda: ())()):
+            out[f"eval/reward/{name}"] = _mean_score(reward_fns[name], inputs)
     if "format" in reward_fns:
         out["eval/format"] = float(np.mean([0.0 if v is None else float(v) for v in call_reward(reward_fns["format"], inputs)]))
     out["eval/length_mean"] = float(np.mean([len(c.token_ids) for g in groups for c in g]))
     # completions cut by the cap: a held-out accuracy with many of them measures the cap, not the model
     out["eval/truncated"] = float(np.mean(inputs.truncated)) if comps else 0.0
-    return out
+    from fastgrpo.trainer.samples import EvalResult, eval_rows
+
+    # a dict as before, carrying every completion with its score: the run's logger writes them
+    # to eval_samples.jsonl beside the accuracy (MetricsLogger.log)
+    return EvalResult(out, eval_rows(problems, groups, acc))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import copy
 import random
 import time
@@ -43,20 +42,14 @@ import torch
 from fastgrpo.advantages import compute_advantages, zero_std_groups
 from fastgrpo.config import TrainConfig
 from fastgrpo.curriculum import dynamic_sampling
-from fastgrpo.models.packed import can_share_prefix, head_softcap, packing_attn_coef
-from fastgrpo.packing import build_packed_batches, plan_micro_batches
+from fastgrpo.models.packed import head_softcap
 from fastgrpo.rewards.combine import score_groups
-from fastgrpo.rewards.process import token_advantages
-from fastgrpo.trainer.backend import zero_weighted_loss
 from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
                                     check_sync_sampling, sampling_config)
-from fastgrpo.trainer.collectives import all_gather, all_reduce_max, all_reduce_metrics, rebalance, shard
+from fastgrpo.trainer.collectives import all_gather, all_reduce_metrics, shard
 from fastgrpo.trainer.metrics import MetricsLogger, Timers, rollout_metrics
 from fastgrpo.trainer.resume import CheckpointMixin
-
-
-class TrainingStopped(RuntimeError):
-    """Raised when the run stops on purpose (too many non-finite steps)."""
+from fastgrpo.trainer.update import TrainingStopped, UpdateMixin
 
 
 def seed_everything(seed: int) -> None:
@@ -69,7 +62,7 @@ class _NonFiniteRollout(Exception):
     """The sampler met non-finite logits: the step is skipped and counted (max_nan_skips)."""
 
 
-class Trainer(CheckpointMixin):
+class Trainer(UpdateMixin, CheckpointMixin):
     """GRPO on one task. Everything may be injected (tests, integrations); what is not is built
     from `cfg`."""
 
@@ -102,7 +95,12 @@ class Trainer(CheckpointMixin):
         # β = 0: no reference model at all (no memory, no forward)
         self.ref_model = None
         if cfg.algorithm.beta > 0:
-            self.ref_model = self._build_reference().eval().requires_grad_(False)
+            from fastgrpo.models.lora import is_lora
+
+            # a LoRA policy's reference is its base: the module itself, scored with the adapter
+            # disabled (update.py, `adapter_disabled`): no second model in memory
+            self.ref_model = (self.backend.module if is_lora(self.backend.module)
+                              else self._build_reference().eval().requires_grad_(False))
         self._prompt_ids: Dict[int, List[int]] = {}
         if engine is None:
             engine = build_rollout_engine(cfg.rollout, self.backend.module, tokenizer, prompt_len=self._max_prompt_len)
@@ -113,7 +111,7 @@ class Trainer(CheckpointMixin):
         self.loss_cfg = dataclasses.replace(self.loss_cfg, softcap=head_softcap(self.backend.module))
         self.sampling = sampling_config(cfg.rollout)
         self.timers = Timers(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
-        self.metrics = MetricsLogger(cfg.logging.out_dir, cfg.logging.tensorboard, enabled=self.rank == 0)
+        self.metrics = MetricsLogger.for_run(cfg, enabled=self.rank == 0, log=log)  # + samples, W&B (logging.*)
         self.step_num = 0
         # the engine holds weights older than the policy (sync.every > 1, between syncs): its
         # rollouts are then off-policy and their own sampling log-probs are the old log-probs
@@ -201,18 +199,26 @@ class Trainer(CheckpointMixin):
         return groups
 
     def _score(self, problems, groups):
-        """rewards[name] [B, G], their weighted total [B, G]; `dropped` group indices (on_error=drop)."""
+        """rewards[name] [B, G], their weighted total [B, G]; `dropped` group indices (on_error=drop).
+        One `reward error` line per failing reward; a reward that failed on every completion for
+        max_nan_skips steps in a row stops the run (fastgrpo.rewards.faults)."""
         r = self.cfg.rewards
+        faults = getattr(self.reward_fns, "faults", None)
         with self.timers.phase("reward"):
             per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
                                                           error_score=r.error_score, on_error=r.on_error,
-                                                          step=self.step_num + 1)
+                                                          step=self.step_num + 1, faults=faults)
             process = getattr(self.reward_fns, "process", None)  # rewards.process: this batch's step scores → dense advantages
             self._step_keep = process.attach_dense(problems, groups, self.tokenizer) if process and process.dense else None
         errors = errors + (process.drain_errors() if process else [])
         for msg in errors:
             self.log(f"[fastgrpo] reward error: {msg}")
         self.reward_errors += len(errors)
+        stop = faults.end_round(self.cfg.max_nan_skips) if faults is not None else None
+        if self.world_size > 1 and all_reduce_metrics({"stop": float(bool(stop))}, op="max")["stop"] > 0:
+            stop = stop or "a reward failed on every completion of another rank for max_nan_skips steps"  # all ranks stop
+        if stop:
+            raise TrainingStopped(f"stopped at step {self.step_num}: {stop}")
         return per_fn, total, dropped
 
     def _advantages(self, problems, per_fn, total, dropped):
@@ -243,221 +249,6 @@ class Trainer(CheckpointMixin):
         if new:
             toks = self.tokenizer([text for _, text in new], add_special_tokens=False)["input_ids"]
             self._prompt_ids.update(zip((i for i, _ in new), toks))
-
-    def _pack(self, problems, groups, adv, keep):
-        with self.timers.phase("pack"):
-            # rollouts of an engine behind the policy: their sampling log-probs are the behaviour
-            # policy's, so they are the loss's old log-probs (importance ratio ≠ 1 from the first
-            # inner step); otherwise the old log-probs are the policy's own (K = 1: the detached
-            # current ones; K > 1: scored before the first update)
-            stale = self._engine_stale
-            self._tokenize(problems)  # done by _rollout already, unless a caller packs other problems
-            adv_rows = adv.tolist()  # Python floats once, not a tensor index per completion
-            prompts, comps, advs, ids, cmask, olps = [], [], [], [], [], []
-            for i, (p, grp) in enumerate(zip(problems, groups)):
-                if not keep[i]:
-                    continue
-                pid = self._prompt_ids[p.id]
-                prompts += [pid] * len(grp)
-                advs += [token_advantages(a, c) for a, c in zip(adv_rows[i], grp)]  # + dense step advantages
-                for j, c in enumerate(grp):
-                    comps.append(c.token_ids)
-                    ids.append((p.id, j))
-                    cmask.append(c.sampled_mask)  # 0/1: forced tokens carry no gradient
-                    olps.append(c.logprobs if stale else None)
-            lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
-            if self.world_size > 1:
-                # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
-                # without it the rank holding the longest groups sets everyone's step time
-                recs = rebalance(list(zip(prompts, comps, advs, ids, cmask, olps)), lengths)
-                prompts, comps, advs, ids, cmask, olps = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [], [])
-                lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
-            budget = self.cfg.packing.max_tokens
-            share = self._share_prefix()
-            # a sequence over the budget gets a micro-batch of its own instead of failing the step;
-            # with shared prefixes whole groups go to one micro-batch (their prompt is then carried
-            # once); every rank runs the same number of micro-batches (`agree`: the max over ranks)
-            plan = plan_micro_batches(lengths, budget, allow_oversize=True, agree=all_reduce_max,
-                                      groups=[key[0] for key in ids] if share else None)
-            batches = build_packed_batches(prompts, comps, advs, budget, completion_mask=cmask, ids=ids,
-                                           old_logp=olps if stale else None, allow_oversize=True,
-                                           share_prefix=share, attn_coef=packing_attn_coef(self.backend.module),
-                                           plan=plan)
-            # this rank has fewer sequences than its peers: zero-weighted dummies keep collectives aligned
-            batches += [None] * sum(1 for b in plan if not b)
-        return batches
-
-    def _share_prefix(self) -> bool:
-        return bool(self.cfg.packing.share_prefix) and can_share_prefix(self.backend.module)
-
-    @torch.no_grad()
-    def _logprobs_of(self, model, batch):
-        from fastgrpo.loss import token_logprobs
-        from fastgrpo.models.packed import packed_head_logits
-
-        logits, cap = packed_head_logits(model, batch)  # a head's soft cap is applied in the kernel, as in the loss
-        logp, _ = token_logprobs(logits, batch.targets.to(logits.device), self.loss_cfg.temperature,
-                                 impl=self.cfg.algorithm.loss_impl, softcap=cap)
-        return logp.float().cpu()
-
-    def _old_logp(self, batches):
-        need_old = self.cfg.algorithm.inner_steps > 1
-        with self.timers.phase("old_logp"):
-            model = self.backend.module
-            was = model.training
-            model.eval()
-            for b in batches:
-                if b is None:
-                    continue
-                if b.old_logp is not None:
-                    pass  # the rollout's own log-probs (an engine behind the policy, see _pack)
-                elif need_old and self._zero3():  # inside the engine's forward ZeRO-3 gathers layer by layer
-                    b.old_logp = self.backend.forward(self._logprobs_of, b)
-                elif need_old:
-                    b.old_logp = self._logprobs_of(model, b)
-                if self.ref_model is not None:
-                    b.ref_logp = self._logprobs_of(self.ref_model, b)
-            model.train(was)
-
-    def _loss_fn(self, totals):
-        from fastgrpo.loss import grpo_loss
-        from fastgrpo.models.packed import lm_head_logits, packed_forward
-
-        cfg = self.cfg
-        state = self._update_state
-
-        def fn(model, b):
-            dev = model.get_input_embeddings().weight.device
-            b = b.to(dev)
-            hidden = packed_forward(model, b)
-            if not bool(torch.isfinite(hidden).all()):
-                state.nonfinite = True
-                return zero_weighted_loss(model, hidden)
-            # the logits of the model's forward (old / ref log-probs) but for the cap, which the loss applies
-            logits = lm_head_logits(model, hidden, softcap=False)
-            token_mean = self.loss_cfg.loss_agg == "token-mean"
-            try:
-                out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
-                                ref_logp=b.ref_logp, cu_seqlens=b.loss_cu_seqlens, config=self.loss_cfg,
-                                num_items=totals["tokens"] if token_mean else None, impl=cfg.algorithm.loss_impl,
-                                return_entropy=True, inplace_backward=True)  # logits are not read again
-            except ValueError as e:  # the loss's own finiteness check (non-finite logits rows)
-                if "NaN or Inf" not in str(e):
-                    raise
-                state.nonfinite = True
-                return logits[..., :1, :].float().sum() * 0.0  # on the graph built: see zero_weighted_loss
-            # token-mean is normalised by the global token count already; per-sequence means are
-            # per micro-batch, so weight each by its share of the global sequences
-            scale = self.backend.loss_scale * (1.0 if token_mean else b.num_seqs / totals["seqs"])
-            loss = out.loss * scale
-            if not bool(torch.isfinite(loss)):
-                state.nonfinite = True
-                return loss * 0.0
-            w = float(b.loss_mask.sum())
-            state.tokens += w
-            state.loss += float(out.loss.detach()) * scale / self.backend.loss_scale  # this rank's share of the batch loss
-            for k, v in out.metrics.items():
-                if k.endswith("_min") or k.endswith("_max"):  # extremes combine by min / max, not by mean
-                    pick = min if k.endswith("_min") else max
-                    state.extremes[k] = pick(state.extremes.get(k, float(v)), float(v))
-                else:
-                    state.sums[k] = state.sums.get(k, 0.0) + float(v) * w
-            return loss
-
-        return fn
-
-    def _grads_finite(self) -> bool:
-        """This rank's share of the gradients is finite (no collective: the caller max-reduces).
-        The backend knows where its gradients live (ZeRO: partitions, `p.grad` is None)."""
-        if hasattr(self.backend, "local_grads_finite"):
-            return self.backend.local_grads_finite()
-        for p in self.backend.module.parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return False
-        return True
-
-    def _update(self, batches):
-        local = {"tokens": sum(b.num_loss_tokens for b in batches if b is not None),
-                 "seqs": sum(b.num_seqs for b in batches if b is not None)}
-        totals = all_reduce_metrics(local, op="sum")
-        totals["tokens"] = max(totals["tokens"], 1.0)
-        totals["seqs"] = max(totals["seqs"], 1.0)
-        logs = {}
-        with self.timers.phase("update"):
-            if not batches:  # every group had σ = 0 on every rank: nothing to learn from this batch
-                return {"train/no_update": 1.0}
-            self.backend.module.train()
-            for _ in range(self.cfg.algorithm.inner_steps):
-                self._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={}, extremes={})
-                self.backend.accumulate(batches, self._loss_fn(totals))
-                st = self._update_state
-                bad = all_reduce_metrics({"bad": float(st.nonfinite or not self._grads_finite())}, op="max")["bad"]
-                if bad:
-                    self.backend.discard_gradients()  # under ZeRO the reduced grads live in DeepSpeed's buffers
-                else:
-                    before = self._weight_norm() if self.cfg.guard.max_weight_growth else None
-                    logs["train/grad_norm"] = self.backend.step(accept=self._grad_guard)
-                    # finite gradients whose global norm overflowed (or spiked): step() refused them
-                    bad = bool(getattr(self.backend, "last_step_skipped", False))
-                    self._weights_changed = self._weights_changed or not bad
-                    if before is not None and not bad:
-                        self._check_weight_growth(before)
-                if bad and self._spiked:  # refused by the spike guard (reported there), not non-finite
-                    self._spiked = False
-                    self.spike_skips += 1
-                    logs["train/spike_skipped"] = 1.0
-                    break
-                if bad:
-                    self.nan_skips += 1
-                    logs["train/skipped"] = 1.0
-                    self.log(f"[fastgrpo] step {self.step_num}: non-finite loss or gradient, update skipped "
-                             f"({self.nan_skips}/{self.cfg.max_nan_skips})")
-                    break
-                n = max(st.tokens, 1.0)
-                logs["train/loss"] = st.loss
-                logs.update({f"loss/{k}": v / n for k, v in st.sums.items()})
-                logs.update({f"loss/{k}": v for k, v in st.extremes.items()})
-        return logs
-
-    # ------------------------------------------------------------------ guards
-    def _weight_norm(self) -> float:
-        """Global L2 norm of the weights (ZeRO-3: of the partitions, summed over ranks)."""
-        params = [p.detach() for p in self.backend.module.parameters() if p.numel()]
-        sq = torch.stack([n.float() for n in torch._foreach_norm(params)]).pow(2).sum() if params else torch.zeros(())
-        if self._zero3():
-            sq = torch.tensor(all_reduce_metrics({"sq": float(sq)}, op="sum")["sq"])
-        return float(sq.sqrt())
-
-    def _check_weight_growth(self, before: float) -> None:
-        """The blow-up guard: an update that grows the weight norm by more than
-        guard.max_weight_growth (a learning rate far too high: finite gradients, clipped, and
-        still weights of 1e6) stops the run before anything of that model is checkpointed or
-        synced; the last checkpoint stays the newest."""
-        after = self._weight_norm()
-        limit = self.cfg.guard.max_weight_growth
-        if not math.isfinite(after) or (before > 0 and after > limit * before):
-            raise TrainingStopped(
-                f"stopped at step {self.step_num}: the update grew the weight norm from {before:.4g} to {after:.4g} "
-                f"(more than guard.max_weight_growth={limit}×): the model blew up — optimizer.lr="
-                f"{self.cfg.optimizer.lr:g} is likely too high; nothing of this model was checkpointed")
-
-    def _grad_guard(self, norm: float) -> bool:
-        """Whether to apply an update of gradient norm `norm` (guard.grad_spike × the median of
-        the last 20 accepted norms, after guard.grad_spike_warmup of them)."""
-        g = self.cfg.guard
-        hist = self._grad_norms
-        ok = True
-        if g.grad_spike and len(hist) >= max(1, g.grad_spike_warmup):
-            med = float(np.median(hist[-20:]))
-            ok = not (med > 0 and norm > g.grad_spike * med)
-            if not ok:
-                self._spiked = True
-                self.log(f"[fastgrpo] step {self.step_num}: gradient norm {norm:.4g} is more than guard.grad_spike="
-                         f"{g.grad_spike}× the recent median {med:.4g}: update skipped")
-        if ok and math.isfinite(norm):
-            hist.append(norm)
-            del hist[:-20]
-        return ok
 
     def sync_engine(self) -> None:
         """Bring an engine that is behind the policy (sync.every > 1) up to date now, e.g.
@@ -500,6 +291,7 @@ class Trainer(CheckpointMixin):
         cfg = self.cfg
         t0 = time.perf_counter()
         self.step_num += 1
+        self._step_started = True  # a signal from now on stops after this step (request_stop's message)
         try:
             return self._step(cfg, t0)
         except _NonFiniteRollout as e:
@@ -535,11 +327,13 @@ class Trainer(CheckpointMixin):
             raise TrainingStopped(f"stopped at step {self.step_num}: {self.nan_skips} updates skipped for non-finite "
                                   f"loss or gradients (max_nan_skips={cfg.max_nan_skips})")
         logs.update(rollout_metrics(per_fn, total, zero_std, groups))
+        self.metrics.log_rollouts(self.step_num, problems, groups, per_fn, total, adv, zero_std)  # samples.jsonl
         logs["train/lr"] = self.backend.optimizer.param_groups[0]["lr"]
         logs["train/nan_skips"] = self.nan_skips
         logs["train/reward_errors"] = self.reward_errors
         logs["train/syncs_skipped"] = self.syncs_skipped
-        for part in (self.curriculum, self.reward_fns):  # the sampler's and the rewards' own counters (judge asks)
+        # the sampler's and the rewards' own counters (judge asks); AsyncTrainer adds the orchestrator's
+        for part in (self.curriculum, self.reward_fns, *getattr(self, "metric_sources", ())):
             logs.update(part.metrics() if hasattr(part, "metrics") else {})
         if cfg.algorithm.dynamic_sampling:
             logs.update(sampled.metrics())
@@ -582,7 +376,9 @@ class Trainer(CheckpointMixin):
         """Finish the current step, checkpoint and raise TrainingInterrupted (a signal handler
         calls this: fastgrpo.trainer.runfolder.graceful_signals)."""
         self._stop_signal = signum
-        self.log(f"[fastgrpo] {__import__('signal').Signals(signum).name}: stopping after step {self.step_num + 1} "
+        # step() has already counted the step in progress; between steps the loop stops before the next one
+        last = self.step_num if getattr(self, "_step_started", False) else self.step_num + 1
+        self.log(f"[fastgrpo] {__import__('signal').Signals(signum).name}: stopping after step {last} "
                  "with a checkpoint (send it again to stop at once)")
 
     def close(self) -> None:

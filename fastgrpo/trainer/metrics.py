@@ -10,7 +10,10 @@ torch.utils.tensorboard when tensorboard is importable, and to PNG plots drawn a
 matplotlib's Agg backend (no display needed). A run killed mid-row or stopped by a full disk can
 leave a torn last line; opening the file again ends that line first (`_end_torn_line`), so the
 resumed run's first row starts a line of its own instead of being glued onto the fragment (and
-lost with it: `read_metrics` skips lines that do not parse).
+lost with it: `read_metrics` skips lines that do not parse). The same logger is the run's one
+fan-out for what the model wrote (fastgrpo/trainer/samples.py: `log_rollouts` → samples.jsonl, an
+evaluation's completions → eval_samples.jsonl, both also as TensorBoard text tables) and for
+Weights & Biases when `logging.wandb` asks for it (fastgrpo/trainer/wandb_logger.py).
 """
 from __future__ import annotations
 
@@ -102,13 +105,18 @@ def _clean(v):
 
 
 class MetricsLogger:
-    """metrics.jsonl (+ TensorBoard events) in `out_dir`. Only rank 0 writes."""
+    """metrics.jsonl (+ TensorBoard events, + samples when `samples_every` > 0, + W&B when
+    `wandb.mode` is not disabled) in `out_dir`. Only rank 0 writes."""
 
-    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True, samples_every: int = 0,
+                 samples_max: int = 8, wandb=None, run_config: Optional[Dict] = None, log=print):
         self.out_dir = out_dir
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._tb = None
+        self._wandb = None
+        self.samples_every, self.samples_max, self.log_line = samples_every, samples_max, log
+        self._samples = self._eval_samples = None  # SamplesFile, opened at the first rollouts / evaluation
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -122,6 +130,20 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=os.path.join(out_dir, "tb"))
             except ImportError:
                 self._tb = None
+        if wandb is not None and wandb.mode != "disabled":
+            from fastgrpo.trainer.wandb_logger import WandbLogger
+
+            self._wandb = WandbLogger(wandb, out_dir, run_config, log=log)
+
+    @classmethod
+    def for_run(cls, cfg, enabled: bool = True, log=print) -> "MetricsLogger":
+        """The trainer's logger: every `logging.*` setting of the TrainConfig `cfg`; W&B gets the
+        whole config."""
+        import dataclasses
+
+        lg = cfg.logging
+        return cls(lg.out_dir, lg.tensorboard, enabled=enabled, samples_every=lg.samples_every,
+                   samples_max=lg.samples_max, wandb=lg.wandb, run_config=dataclasses.asdict(cfg), log=log)
 
     def log(self, step: int, metrics: Dict[str, object]) -> None:
         if not self.enabled:
@@ -135,6 +157,45 @@ class MetricsLogger:
                 if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log_scalars(step, {k: v for k, v in row.items() if k not in ("step", "time")})
+        rows = getattr(metrics, "samples", None)  # an evaluation's completions (samples.EvalResult)
+        if rows and self.samples_every:
+            from fastgrpo.trainer.samples import SamplesFile
+
+            if self._eval_samples is None:
+                self._eval_samples = SamplesFile(os.path.join(self.out_dir, "eval_samples.jsonl"), self.log_line)
+            rows = [{"step": int(step), "tag": "eval", **r} for r in rows]
+            self._eval_samples.write(rows)
+            self._table("eval_samples", step, rows)
+
+    def log_rollouts(self, step: int, problems, groups, per_fn, total, adv, zero_std) -> None:
+        """Every `samples_every` steps, the step's selected rollouts (samples.select_samples) to
+        samples.jsonl, TensorBoard and W&B. The first call of a run drops rows of steps >= `step`
+        (the steps a resumed run redoes), whether or not this step writes."""
+        if not self.enabled or not self.samples_every:
+            return
+        from fastgrpo.trainer.samples import SamplesFile, select_samples
+
+        if self._samples is None:
+            self._samples = SamplesFile(os.path.join(self.out_dir, "samples.jsonl"), self.log_line)
+            self._samples.open(step)
+        if step % self.samples_every:
+            return
+        rows = select_samples(step, problems, groups, per_fn, total, adv, zero_std, self.samples_max)
+        self._samples.write(rows)
+        self._table("samples", step, rows)
+
+    def _table(self, key: str, step: int, rows) -> None:
+        """Rows as a TensorBoard text table (at most samples_max: Markdown of hundreds of rows
+        does not render usefully) and a W&B table (all of them)."""
+        from fastgrpo.trainer.samples import flat_columns, markdown_table
+
+        if self._tb is not None:
+            self._tb.add_text(key, markdown_table(rows[: self.samples_max]), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log_table(key, step, *flat_columns(rows))
 
     def close(self) -> None:
         if not self.enabled:
@@ -148,6 +209,11 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for f in (self._samples, self._eval_samples):
+            if f is not None:
+                f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _end_torn_line(path: str) -> None:

@@ -44,14 +44,17 @@ class CheckpointMixin:
                     barrier()  # rank 0 renamed: the checkpoint is complete for everyone
                     return None
             # under DeepSpeed the optimizer / scheduler state is in engine/ (partitioned), not state.pt
-            path = ckpt.save_checkpoint(self.cfg.logging.out_dir, self.step_num, self.backend.module,
+            from fastgrpo.trainer.lora_run import checkpoint_model  # a LoRA run saves its adapter folder
+
+            path = ckpt.save_checkpoint(self.cfg.logging.out_dir, self.step_num, checkpoint_model(self.backend.module),
                                         None if ds else self.backend.optimizer,
                                         None if ds else self.backend.lr_scheduler, self.curriculum,
                                         tokenizer=self.tokenizer,
                                         extra={"nan_skips": self.nan_skips, "reward_errors": self.reward_errors,
                                                "engine_stale": bool(self._engine_stale),
                                                "rewards": self.reward_fns.state_dict()
-                                               if hasattr(self.reward_fns, "state_dict") else {}},
+                                               if hasattr(self.reward_fns, "state_dict") else {},
+                                               **self._extra_state()},
                                         keep_last=self.cfg.checkpoint.keep_last, model_state=state,
                                         shards=shards if multi else None, tmp=tmp)
             if multi:
@@ -64,9 +67,15 @@ class CheckpointMixin:
             raise ValueError(f"checkpoint {path!r}: no engine/ folder (it was not saved under distributed.backend="
                              "deepspeed); expected a checkpoint written by a DeepSpeed run")
         # under DeepSpeed the engine restores weights (ZeRO-3: partitions), optimizer and scheduler
-        state = ckpt.load_checkpoint(path, None if ds else self.backend.module,
+        from fastgrpo.models.lora import is_lora
+        from fastgrpo.trainer.lora_run import resume_adapter
+
+        lora = is_lora(self.backend.module)  # its model/ is an adapter folder: loaded by resume_adapter
+        state = ckpt.load_checkpoint(path, None if ds or lora else self.backend.module,
                                      None if ds else self.backend.optimizer,
                                      None if ds else self.backend.lr_scheduler, self.curriculum)
+        if lora:
+            resume_adapter(self.backend.module, path)
         if ds:
             self.backend.load_checkpoint(os.path.join(path, "engine"))
         mine = os.path.join(path, f"rng-rank{self.rank}.pt")
@@ -77,6 +86,7 @@ class CheckpointMixin:
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
         if hasattr(self.reward_fns, "load_state_dict"):
             self.reward_fns.load_state_dict(state["extra"].get("rewards") or {})
+        self._load_extra_state(state["extra"])
         if getattr(self.engine, "model", None) is not self.backend.module:
             with self._full_weights():
                 self.engine.update_weights(self.backend.module)
@@ -90,6 +100,14 @@ class CheckpointMixin:
         self._engine_stale = False
         self._save_pending = False
         return self.step_num
+
+    def _extra_state(self) -> dict:
+        """More of the trainer's state for the checkpoint's extras (AsyncTrainer: the
+        orchestrator's buffer and unreturned prompts)."""
+        return {}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        """Restore what `_extra_state` saved (called by `resume` after the weights are loaded)."""
 
     def maybe_resume(self) -> Optional[str]:
         mode = self.cfg.checkpoint.resume

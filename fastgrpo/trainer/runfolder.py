@@ -2,19 +2,35 @@
 files live inside the folder, and SIGINT / SIGTERM end it with a checkpoint.
 
 - `run_tmpdir(out_dir)`: for the run's lifetime `tempfile` (and TMPDIR, which vLLM's engine
-  processes inherit) point at `<out_dir>/tmp`, so model snapshots for the vLLM engine and vLLM's
-  own `vllm_dist_*` folders never land in the machine's /tmp. The folder is emptied when the
-  run ends and at the next start (what a kill -9 left behind), so nothing outlives the run
-  folder even then.
+  processes inherit) point at `<out_dir>/tmp`, made absolute here once (a relative `--out` handed
+  to a process with another working directory — vLLM's compiler — would name another folder), so
+  model snapshots for the vLLM engine, vLLM's own `vllm_dist_*` folders, torch's compiler cache
+  (TORCHINDUCTOR_CACHE_DIR, unless the user set it) and multiprocessing's `pymp-*` folder never
+  land in the machine's /tmp. The folder is emptied when the run ends and at the next start (what
+  a kill -9 left behind), so nothing outlives the run folder even then. multiprocessing's folder
+  is the exception while its process lives: it holds the fork server's socket, which may outlive
+  the run in a library user's process, so it stays until that process exits (multiprocessing
+  removes it then, and `<out_dir>/tmp` after it); where its socket path would be too long for
+  AF_UNIX (108 bytes) it stays in the system temp folder.
+- `route_compiler_cache(out_dir)`: torch creates its compiler cache folder when transformers
+  first imports torch._dynamo, before a run starts; the CLI calls this first, and
+  `discard_unused(out_dir)` removes the folder again when the command fails before the run.
+- `describe_os_error(e)`: the one line of an expected OS failure (no space, read-only file
+  system, permission, a file where a folder belongs) found in `e` or its causes — safetensors
+  reports ENOSPC only in its message — or None.
 - `graceful_signals(request_stop)`: the first SIGINT / SIGTERM calls `request_stop(signum)`
   (the trainer finishes its step, checkpoints and raises `TrainingInterrupted`); a second one
-  interrupts at once (KeyboardInterrupt). Outside the GRPO loop (`request_stop=None`) the first
-  signal interrupts at once: SFT, model loading and evaluation are redone on resume.
+  interrupts at once (`RunInterrupted`, a KeyboardInterrupt). Outside the GRPO loop
+  (`request_stop=None`) the first signal interrupts at once: SFT, model loading and evaluation
+  are redone on resume. `where()` says what the run had done by then, for the message (after
+  the final checkpoint it is not "before any GRPO step").
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -38,20 +54,89 @@ class TrainingInterrupted(Exception):
         return 128 + int(self.signum)
 
 
+_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
+_routed = {"inductor": None}  # the compiler cache folder this module set (not the user's)
+
+
+def _ours(value: Optional[str]) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR may be pointed elsewhere: unset, set by us, or torch's
+    default (torch writes its default into the environment on first use)."""
+    return value is None or value == _routed["inductor"] or os.path.basename(value).startswith("torchinductor_")
+
+
+def route_compiler_cache(out_dir: str) -> Optional[str]:
+    """Point torch's compiler cache at `<out_dir>/tmp/torchinductor` (absolute) unless the user
+    chose a folder; returns the previous value."""
+    old = os.environ.get(_INDUCTOR)
+    if _ours(old):
+        _routed["inductor"] = os.path.join(os.path.abspath(out_dir), "tmp", "torchinductor")
+        os.environ[_INDUCTOR] = _routed["inductor"]
+    return old
+
+
+def restore_compiler_cache(old: Optional[str]) -> None:
+    """Undo `route_compiler_cache` (its return value), for a process that goes on after the run."""
+    if old is None:
+        os.environ.pop(_INDUCTOR, None)
+    else:
+        os.environ[_INDUCTOR] = old
+
+
+def discard_unused(out_dir: str) -> None:
+    """After a command that failed before its run began: remove `<out_dir>/tmp` and then the
+    folder itself when that leaves it empty (the caller knows it did not exist before)."""
+    shutil.rmtree(os.path.join(out_dir, "tmp"), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(out_dir)
+
+
+def _mp_tempdir() -> Optional[str]:
+    import multiprocessing.process
+
+    return multiprocessing.process.current_process()._config.get("tempdir")
+
+
+def _clear(path: str, keep: Optional[str]) -> None:
+    """Empty `path` except the entry `keep` (a live multiprocessing folder)."""
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        entry = os.path.join(path, name)
+        if keep is not None and os.path.abspath(entry) == os.path.abspath(keep):
+            continue
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(entry)
+
+
+# AF_UNIX socket paths hold 107 bytes: "<tmp>/pymp-xxxxxxxx/listener-xxxxxxxx" must fit
+_MP_PATH_MAX = 107 - len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
 @contextlib.contextmanager
 def run_tmpdir(out_dir: str) -> Iterator[str]:
     import multiprocessing.util
 
-    # multiprocessing caches its own temp dir (the fork server's socket lives there) on first
-    # use and removes it at exit: fix it outside the run folder now, so that removing <run>/tmp
-    # never pulls it from under a fork server that outlives this run
-    multiprocessing.util.get_temp_dir()
-    path = os.path.join(out_dir, "tmp")
-    shutil.rmtree(path, ignore_errors=True)  # left by a run that was killed
+    path = os.path.abspath(os.path.join(out_dir, "tmp"))  # absolute once: handed to other processes
+    mp_dir = _mp_tempdir()
+    _clear(path, keep=mp_dir)  # left by a run that was killed
     os.makedirs(path, exist_ok=True)
     old_dir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    old_inductor = os.environ.get(_INDUCTOR)
     tempfile.tempdir = path
     os.environ["TMPDIR"] = path
+    if _ours(old_inductor):
+        _routed["inductor"] = os.path.join(path, "torchinductor")
+        os.environ[_INDUCTOR] = _routed["inductor"]
+    if mp_dir is None and len(path) <= _MP_PATH_MAX:
+        # multiprocessing's folder (the fork server's socket) inside the run folder: removed by
+        # multiprocessing at exit (priority -100), then <out_dir>/tmp by this finalizer
+        mp_dir = multiprocessing.util.get_temp_dir()
+        multiprocessing.util.Finalize(None, _rmdir_quietly, args=(path,), exitpriority=-101)
+    else:
+        multiprocessing.util.get_temp_dir()  # created now, outside the run folder (too long a path for its socket)
     try:
         yield path
     finally:
@@ -60,11 +145,80 @@ def run_tmpdir(out_dir: str) -> Iterator[str]:
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = old_env
-        shutil.rmtree(path, ignore_errors=True)
+        if _ours(old_inductor) and old_inductor is not None:
+            os.environ[_INDUCTOR] = old_inductor
+        elif old_inductor is None:
+            os.environ.pop(_INDUCTOR, None)
+        live = _mp_tempdir()
+        _clear(path, keep=live)
+        if live is None or not os.path.abspath(live).startswith(path + os.sep):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _rmdir_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full: free space (or give --out a folder on another disk) and run the same command "
+                  "to resume from the last checkpoint",
+    errno.EDQUOT: "the disk quota is used up: free space and run the same command to resume from the last checkpoint",
+    errno.EROFS: "the file system is read-only: give --out a folder on a writable one",
+    errno.EACCES: "permission denied: give --out a folder you may write (or fix its permissions)",
+    errno.EPERM: "operation not permitted: give --out a folder you may write (or fix its permissions)",
+    errno.ENOTDIR: "a file stands where a folder belongs: give --out a new or existing run folder, not a file",
+    errno.EEXIST: "a file stands where a folder belongs: give --out a new or existing run folder, not a file",
+}
+_RUST_OS = re.compile(r"Os \{ code: (\d+)")  # safetensors' (Rust) io::Error, e.g. code 28 = ENOSPC
+
+
+def _os_errors(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # about a write wherever the file is
+
+
+def describe_os_error(e: BaseException, out_dir: Optional[str] = None) -> Optional[str]:
+    """One line for an expected OS failure in `e` or its causes (the file, the reason, what to
+    do), or None when there is none. Permission and not-a-folder errors count only on the run
+    folder `out_dir` (or with no file named): elsewhere — a config file, a data file — the
+    caller's own message is the better one."""
+    root = os.path.abspath(out_dir) if out_dir else None
+    for err in _os_errors(e):
+        code = getattr(err, "errno", None) if isinstance(err, OSError) else None
+        if code is None:
+            m = _RUST_OS.search(str(err))
+            code = int(m.group(1)) if m else None
+        if code not in _OS_HINTS:
+            continue
+        name = getattr(err, "filename", None) if isinstance(err, OSError) else None
+        if code not in _WRITING and name and root is not None:
+            full = os.path.abspath(str(name))
+            if full != root and not full.startswith(root + os.sep):
+                continue
+        where = f"{name}: " if name else ""
+        return f"{where}{os.strerror(code)} — {_OS_HINTS[code]}"
+    return None
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped at once by a signal; `str()` is the signal's name (as KeyboardInterrupt's
+    was), `where` the phrase saying what the run had done ("before any GRPO step finished", …)."""
+
+    def __init__(self, signame: str, where: Optional[str] = None):
+        super().__init__(signame)
+        self.signame, self.where = signame, where
 
 
 @contextlib.contextmanager
-def graceful_signals(request_stop: Optional[Callable[[int], None]] = None) -> Iterator[None]:
+def graceful_signals(request_stop: Optional[Callable[[int], None]] = None,
+                     where: Optional[Callable[[], str]] = None) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
         yield
         return
@@ -76,7 +230,7 @@ def graceful_signals(request_stop: Optional[Callable[[int], None]] = None) -> It
         if request_stop is None or seen["n"] > 1:
             for s, h in previous.items():
                 signal.signal(s, h)
-            raise KeyboardInterrupt(signal.Signals(signum).name)
+            raise RunInterrupted(signal.Signals(signum).name, where() if where is not None else None)
         request_stop(signum)
 
     for s in SIGNALS:

@@ -1,20 +1,22 @@
 """One process per run folder: `RunLock(out_dir)`, held for the lifetime of a run.
 
-The lock is `flock(2)` on `<out_dir>/.fastgrpo-run.lock`, taken on a file descriptor kept open
-until `release()`: the kernel drops it when the holder exits however it exits (kill -9, OOM),
-so there is no stale lock to clean by hand, and two processes can never both hold it (the
-check and the take are one system call; a pid file alone races). The file records the holder
-(pid, host, start time) for the messages: a live holder makes `RunLock` raise `RunLockError`
-(a ValueError) naming its pid and host; a record left by a holder that is gone is taken over
-with a one-line message. The file is emptied at release, never deleted (deleting a locked file
-lets a waiter lock the old inode while a newcomer creates a new one: two holders). This is the
-scheme of `flock(1)` / systemd's lock files; departure: the record is JSON, for the message.
+The lock is `flock(2)` on the run folder itself (a descriptor of the directory, kept open until
+`release()`): the kernel drops it when the holder exits however it exits (kill -9, OOM), so
+there is no stale lock to clean by hand, and two processes can never both hold it (the check and
+the take are one system call; a pid file alone races). Locking the folder rather than a file in
+it means that deleting files of the folder — the lock record among them — cannot let a second
+run in (a lock on a file is a lock on its inode: a newcomer that creates the file anew locks
+another inode, and both runs write the same folder). The record `<out_dir>/.fastgrpo-run.lock`
+(pid, host, start time, JSON) only names the holder in the messages: a live holder makes
+`RunLock` raise `RunLockError` (a ValueError) naming its pid and host; a record left by a holder
+that is gone is taken over with a one-line message. This is the scheme of `flock(1)` on a
+directory; departure: the record is JSON, for the message.
 
 Limits: on a network file system `flock` is only as good as its lock manager (NFSv4 and Lustre
 honour it across hosts; some FUSE mounts do not lock at all, and then the pid record of a live
 holder on this host is the only guard). A child process that inherited the descriptor by
 `fork()` keeps the lock until it exits too (the descriptor is close-on-exec, so an exec'd one
-does not).
+does not). A run folder that is itself deleted and made again is a new folder, unlocked.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class RunLock:
         if self._fd is not None:
             return self
         os.makedirs(self.out_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -91,21 +93,35 @@ class RunLock:
                             and not pid_alive(h["pid"]))
                     extra = (" (that process has exited, but a process it forked still holds the lock)"
                              if gone else "")
-                    raise RunLockError(f"run folder {self.out_dir} is in use by {_describe(h)}{extra}: wait for that "
+                    who = _describe(h) if h.get("pid") is not None else (
+                        f"another process (its record {self.path} was removed or emptied)")
+                    raise RunLockError(f"run folder {self.out_dir} is in use by {who}{extra}: wait for that "
                                        "run to end (or stop it), or give this run another --out folder", h) from None
             old = self.holder()
             if old.get("pid") is not None:
                 self.log(f"[fastgrpo] run folder {self.out_dir}: taking over the lock of {_describe(old)}, "
                          "which is no longer running")
             record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record.encode() + b"\n", 0)
-            os.fsync(fd)
+            self._write_record(record.encode() + b"\n")
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         return self
+
+    def _write_record(self, data: bytes, create: bool = True) -> None:
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            rfd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:
+            return
+        try:
+            os.ftruncate(rfd, 0)
+            if data:
+                os.pwrite(rfd, data, 0)
+            os.fsync(rfd)
+        finally:
+            os.close(rfd)
 
     def _no_flock(self, err: OSError) -> None:
         """The file system does not lock: fall back to the pid record (same host only)."""
@@ -120,7 +136,7 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)  # an empty record: nobody to take over from
+            self._write_record(b"", create=False)  # an empty record: nobody to take over from
         except OSError:
             pass
         finally:

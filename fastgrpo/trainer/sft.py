@@ -8,11 +8,21 @@ log-prob kernel); the loss is the token-mean cross-entropy −Σ logp / Σ token
 batch, so prompt tokens never cost a logit. Departure from R1: the traces come from the task
 (`task.sft_completion`, optionally with a fraction of corrupted answers, `sft.noise`) instead of
 curated model outputs, and the run is short on purpose so that RL has headroom.
+
+Guards, GRPO's own (fastgrpo/trainer/update.py): a step whose loss or gradients are not finite
+is skipped and counted (`max_nan_skips` of them stop the run); an update that grows the global
+weight norm by more than `guard.max_weight_growth` (a learning rate far too high: `sft.lr=1e6`
+does at step 1) stops the run with `TrainingStopped` before the model is saved, so no blown-up
+`sft/model` is ever trained on. `load_saved_sft` verifies a saved `sft/model` against the sha256
+of every file in its completion marker before it is used; a folder that does not verify (or, with
+no marker, does not load) is moved aside — never deleted — and SFT runs again.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
+import time
 from typing import Callable, Dict, Optional
 
 import torch
@@ -35,10 +45,24 @@ def sft_examples(task, problems, rng: random.Random, noise: float):
     return out
 
 
+def _weight_norm(model) -> float:
+    params = [p.detach() for p in model.parameters() if p.numel()]
+    return float(torch.stack([n.float() for n in torch._foreach_norm(params)]).pow(2).sum().sqrt()) if params else 0.0
+
+
+def _stopped(msg: str):
+    from fastgrpo.trainer.grpo import TrainingStopped
+
+    return TrainingStopped(msg)
+
+
 def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = None,
-            on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> Dict[str, float]:
+            on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
+            log: Optional[Callable[[str], None]] = None) -> Dict[str, float]:
     """Train `model` in place for cfg.sft.steps; saves it to `<out_dir>/sft/model` when out_dir
-    is given. Returns the last step's metrics."""
+    is given. Returns the last step's metrics. Raises TrainingStopped (nothing saved) when the
+    guards stop it (see the module docstring)."""
+    log = log or print
     from fastgrpo.loss import token_logprobs
     from fastgrpo.models.packed import packed_logits
     from fastgrpo.packing.layout import build_packed_batches
@@ -67,35 +91,91 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     model.train()
     last: Dict[str, float] = {}
     pool = task.train
-    for step in range(1, scfg.steps + 1):
-        probs = rng.sample(pool, scfg.batch_size) if len(pool) >= scfg.batch_size else rng.choices(pool, k=scfg.batch_size)
-        pairs = sft_examples(task, probs, rng, scfg.noise)
-        prompts = [ids(p) for p, _ in pairs]
-        comps = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in pairs]
-        batches = build_packed_batches(prompts, comps, [0.0] * len(prompts), cfg.packing.max_tokens,
-                                       allow_oversize=True)
-        n_tok = float(sum(b.num_completion_tokens for b in batches))
-        total = 0.0
-        for b in batches:
-            b = b.to(device)
-            logits = packed_logits(model, b)
-            logp, _ = token_logprobs(logits, b.targets, 1.0, impl=cfg.algorithm.loss_impl)
-            loss = -logp.sum() / n_tok
-            loss.backward()
-            total += float(loss.detach())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), scfg.max_grad_norm if scfg.max_grad_norm > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        last = {"sft/loss": total, "sft/grad_norm": float(norm), "sft/tokens": n_tok}
+    skips, limit = 0, cfg.guard.max_weight_growth
+    try:
+        for step in range(1, scfg.steps + 1):
+            probs = rng.sample(pool, scfg.batch_size) if len(pool) >= scfg.batch_size else rng.choices(pool, k=scfg.batch_size)
+            pairs = sft_examples(task, probs, rng, scfg.noise)
+            prompts = [ids(p) for p, _ in pairs]
+            comps = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in pairs]
+            batches = build_packed_batches(prompts, comps, [0.0] * len(prompts), cfg.packing.max_tokens,
+                                           allow_oversize=True)
+            n_tok = float(sum(b.num_completion_tokens for b in batches))
+            total = 0.0
+            for b in batches:
+                b = b.to(device)
+                logits = packed_logits(model, b)
+                if not bool(torch.isfinite(logits).all()):  # the loss kernel refuses them: the step is skipped below
+                    total = float("nan")
+                    break
+                logp, _ = token_logprobs(logits, b.targets, 1.0, impl=cfg.algorithm.loss_impl)
+                loss = -logp.sum() / n_tok
+                loss.backward()
+                total += float(loss.detach())
+            clip = scfg.max_grad_norm if scfg.max_grad_norm > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if not (math.isfinite(total) and math.isfinite(float(norm))):  # GRPO's non-finite guard
+                opt.zero_grad(set_to_none=True)
+                skips += 1
+                log(f"[fastgrpo] SFT step {step}: non-finite loss or gradient, update skipped ({skips}/{cfg.max_nan_skips})")
+                if skips >= cfg.max_nan_skips:
+                    raise _stopped(f"SFT stopped at step {step}: {skips} updates skipped for non-finite loss or gradients "
+                                   f"(max_nan_skips={cfg.max_nan_skips}); sft.lr={scfg.lr:g} may be too high; nothing "
+                                   "was saved as sft/model")
+                continue
+            before = _weight_norm(model) if limit else 0.0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if limit:  # GRPO's blow-up guard: the model is not saved, so nothing trains on it
+                after = _weight_norm(model)
+                if not math.isfinite(after) or (before > 0 and after > limit * before):
+                    raise _stopped(f"SFT stopped at step {step}: the update grew the weight norm from {before:.4g} to "
+                                   f"{after:.4g} (more than guard.max_weight_growth={limit}×): the model blew up — "
+                                   f"sft.lr={scfg.lr:g} is likely too high; nothing was saved as sft/model")
+            last = {"sft/loss": total, "sft/grad_norm": float(norm), "sft/tokens": n_tok}
+            if logger is not None:
+                logger.log(step, last)
+            if on_step is not None:
+                on_step(step, last)
+    finally:
         if logger is not None:
-            logger.log(step, last)
-        if on_step is not None:
-            on_step(step, last)
-    if logger is not None:
-        logger.close()
+            logger.close()
     if out_dir:
         from fastgrpo.trainer.checkpoint import save_model_atomic
 
         # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts
         save_model_atomic(model, tokenizer, os.path.join(out_dir, "sft", "model"))
     return last
+
+
+def sft_model_problem(sft_dir: str) -> Optional[str]:
+    """Why the saved SFT model `sft_dir` must not be used (None when it may): a folder with a
+    completion marker is verified against every file's size and sha256; one without (an older
+    run's, or a save torn before its marker) is left to the load to judge."""
+    from fastgrpo.trainer import checkpoint as ckpt
+
+    if not os.path.exists(os.path.join(sft_dir, ckpt.MODEL_MARKER)):
+        return None
+    return ckpt.verify_dir(sft_dir, ckpt.MODEL_MARKER, hashes=True)
+
+
+def load_saved_sft(model, sft_dir: str, log: Callable[[str], None]) -> bool:
+    """Load the saved SFT model `sft_dir` into `model` after verifying it (`sft_model_problem`).
+    A folder that does not verify, or does not load, is moved aside (`model.broken-<time>`,
+    never deleted) with one line saying why, and False is returned: SFT runs again."""
+    from transformers import AutoModelForCausalLM
+
+    why = sft_model_problem(sft_dir)
+    if why is None:
+        try:
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
+            return True
+        except Exception as e:  # noqa: BLE001 — any failure: the folder is not a usable model
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            state = "incomplete"
+    else:
+        state = "damaged"
+    aside = f"{sft_dir}.broken-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.replace(sft_dir, aside)
+    log(f"[fastgrpo] the saved SFT model {sft_dir} is {state} ({why}); moved to {aside}, running SFT again")
+    return False

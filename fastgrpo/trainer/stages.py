@@ -187,6 +187,12 @@ def _policy_path(cfg, log: Log) -> str:
     if latest is not None:
         return os.path.join(latest, "model")
     if os.path.isfile(os.path.join(out, "sft", "model", "config.json")):
+        from fastgrpo.trainer.sft import sft_model_problem
+
+        why = sft_model_problem(os.path.join(out, "sft", "model"))  # verified against its marker before use
+        if why is not None:
+            raise ValueError(f"config rm_stage: the RLVR stage's SFT model does not verify ({why}); run the RLVR stage "
+                             "again (move sft/model aside) or restore it")
         return os.path.join(out, "sft", "model")
     raise ValueError(f"config rm_stage: the RLVR stage left no model in {out} to continue from "
                      "(set checkpoint.at_end=true, or steps > 0)")
@@ -220,6 +226,8 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
     task = build_stage_task(cfg, tok, base)
     evals = build_rewards(dataclasses.replace(cfg.rewards, functions=["accuracy"], weights=[1.0]), base,
                           cfg.rollout.max_new_tokens) if task.heldout else None
+    if scfg.rollout.mode == "async":  # rollout workers on Ray (fastgrpo/trainer/async_trainer.py)
+        from fastgrpo.trainer.async_trainer import AsyncTrainer as Trainer
     trainer = Trainer(scfg, model, tok, task, log=log)
     log(f"[fastgrpo] stage 2 (RM-GRPO): {len(task.train)} prompts of {cfg.rm_stage.prompts}, "
         f"rewards {scfg.rewards.functions}, {scfg.steps} steps from {scfg.model.path}; run folder {out}")

@@ -17,11 +17,14 @@ second grid axis that stops at 65 535).
 Config choice: on a GPU `_tune.TunedKernel` picks among configs for Hopper (capability 9.x) or
 a smaller fallback set elsewhere, once per key, cached on disk. Under TRITON_INTERPRET=1 (CPU
 tests) a single shape-derived config is used, so nothing is benchmarked: the interpreter's cost
-grows with the number of programs, so that config takes many rows per program.
+grows with the number of programs, so that config takes many rows per program. `KernelConfig`
+and that interpreter config live here and `_tune` imports them: the import goes one way only.
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
+from typing import Tuple
 
 import torch
 import triton
@@ -34,6 +37,24 @@ INTERPRET = env.triton_interpret()
 # Largest tile (elements) the interpreter config uses: numpy handles 16k-element tiles in
 # microseconds, while each extra program costs a Python-level launch of every op.
 _INTERP_TILE = 16384
+
+
+# The launch config of a row-tiled kernel, chosen by `_tune` (its tables and tuner) or by
+# `interp_config` below; defined here so that `_tune` imports `_common` and never the reverse.
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_n: int  # rows per program
+    block_v: int  # vocabulary columns per step
+    num_warps: int
+    # 1: the kernels issue no async copies (no tl.dot, no descriptor loads), so num_stages = 2
+    # compiled to the same SASS (checked by benchmarks/compile_grid.py) and only doubled the list.
+    num_stages: int = 1
+
+    def elems_per_thread(self) -> int:
+        return self.block_n * self.block_v // (32 * self.num_warps)
+
+    def as_tuple(self) -> Tuple[int, int, int, int]:
+        return (self.block_n, self.block_v, self.num_warps, self.num_stages)
 
 
 @triton.jit
@@ -130,8 +151,6 @@ def row_tile(pid, n_rows, BLOCK_N: tl.constexpr):
 def interp_config(n_rows: int, n_cols: int):
     """The one config used under the interpreter: the whole (small) vocabulary in one block when
     it fits, and as many rows as fill `_INTERP_TILE` elements."""
-    from fastgrpo.kernels.triton._tune import KernelConfig
-
     bv = min(triton.next_power_of_2(max(n_cols, 1)), 2048)
     bn = max(1, min(triton.next_power_of_2(max(n_rows, 1)), _INTERP_TILE // bv, 1024))
     return KernelConfig(bn, bv, 4, 1)

@@ -35,22 +35,8 @@ import torch
 import triton
 
 from fastgrpo import env
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    block_n: int  # rows per program
-    block_v: int  # vocabulary columns per step
-    num_warps: int
-    # 1: the kernels issue no async copies (no tl.dot, no descriptor loads), so num_stages = 2
-    # compiled to the same SASS (checked by benchmarks/compile_grid.py) and only doubled the list.
-    num_stages: int = 1
-
-    def elems_per_thread(self) -> int:
-        return self.block_n * self.block_v // (32 * self.num_warps)
-
-    def as_tuple(self) -> Tuple[int, int, int, int]:
-        return (self.block_n, self.block_v, self.num_warps, self.num_stages)
+from fastgrpo.kernels.triton import _common
+from fastgrpo.kernels.triton._common import KernelConfig
 
 
 def _cfgs(rows) -> Tuple[KernelConfig, ...]:
@@ -200,10 +186,8 @@ class TunedKernel:
 
     def launch(self, grid: Callable[[KernelConfig, int], tuple], args: tuple, consts: Dict, n_rows: int,
                n_cols: int, strides: Sequence[int], row_bytes: int, scratch: Callable[[int], tuple]) -> KernelConfig:
-        from fastgrpo.kernels.triton._common import INTERPRET, interp_config
-
-        if INTERPRET:
-            cfg = interp_config(n_rows, n_cols)
+        if _common.INTERPRET:  # read at each launch: tests switch it
+            cfg = _common.interp_config(n_rows, n_cols)
             self._run(grid, n_rows, args, consts, cfg)
             return cfg
         layout = layout_of(n_cols, strides)

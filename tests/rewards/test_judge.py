@@ -3,6 +3,7 @@ reward model trained here to prefer a marker, an untrained judge whose score is 
 a hand computation from its logits, the math accuracy that asks the judge only on unparsable
 answers, and every bad input (unloadable folder, labels outside the vocabulary, no parsable
 score, scores of the wrong length) as a load-time error naming the reward or a reported score."""
+import logging
 import math
 import random
 from types import SimpleNamespace
@@ -155,6 +156,30 @@ def test_no_parsable_score_is_reported_and_scored_as_configured(judge_path):
     assert g.score_texts(texts) == [g.parse(g.generate(texts)[0])]
 
 
+def test_a_mostly_unparsable_judge_says_so_on_the_console_once(judge_path):
+    j = JudgeReward("loose", _judge_cfg(judge_path, min_mass=0.99))  # every answer below min_mass
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("fastgrpo.rewards", "fastgrpo.reward_output")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:  # their own handler: a quiet console elsewhere in the session stops propagation
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        for _ in range(3):
+            j.score_texts([j.render("p", "c", "a")] * 4)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+    console = [r for r in records if r.name == "fastgrpo.rewards"]
+    per_call = [r for r in records if r.name == "fastgrpo.reward_output"]  # the run log (quiet_console)
+    assert len(console) == 1 and console[0].levelno == logging.WARNING
+    assert "judge 'loose': 4 of 4 answers had no parsable score" in console[0].getMessage()
+    assert "min_mass=0.99" in console[0].getMessage() and len(per_call) == 3
+
+
 def test_scores_of_the_wrong_length_are_reported_naming_the_reward(rm_path):
     rm = RewardModelReward("short", RewardModelConfig(path=rm_path, device="cpu"))
     real = rm.raw_scores
@@ -165,7 +190,8 @@ def test_scores_of_the_wrong_length_are_reported_naming_the_reward(rm_path):
     assert not errors  # the batch failed, prompt by prompt (2 texts) it scores
     rm.raw_scores = lambda texts: real(texts)[:-1]
     per_fn, total, _, errors = score_groups(probs, groups, {"short": rm}, ["short"], [1.0], error_score=0.25)
-    assert len(errors) == 2 and all("reward 'short'" in e and "1 scores for 2 completions" in e for e in errors)
+    assert len(errors) == 1 and "reward 'short'" in errors[0] and "returned 1 scores for 2 completions" in errors[0]
+    assert "4 of 4 completions failed" in errors[0]  # one line for the reward, with the count
     assert total.tolist() == [[0.25, 0.25], [0.25, 0.25]]
 
 
@@ -189,7 +215,7 @@ def test_accuracy_judge_is_asked_only_about_unparsable_answers(judge_path):
                                                   rubric="{prompt} ref {answer} got {completion} same?")})
     rewards = build_rewards(rcfg, _Math(), 64)
     acc = rewards["accuracy"]
-    assert isinstance(acc, JudgedAccuracy)
+    assert isinstance(acc.fn, JudgedAccuracy)  # under rewards.timeout (fastgrpo.rewards.worker.TimedReward)
     asked = []
     real = acc.judge.score_texts
     acc.judge.score_texts = lambda texts: asked.extend(texts) or real(texts)

@@ -226,13 +226,13 @@ def test_bad_runtime_scores_are_reported_per_completion(char_tok, tmp_path):
               [_comp(char_tok, "short\nx\ny"), _comp(char_tok, "\n\n"), ]]
     per_fn, total, dropped, errors = score_groups(problems, groups, rewards.fns, rcfg.functions, rcfg.weights,
                                                   error_score=-1.0)
-    assert not errors  # score_groups saw no exception: the process reward reports its own, per item
-    msgs = rewards.process.drain_errors()
-    assert len(msgs) == 3
-    assert "prompt id 11 (completion 1)" in msgs[0] and "raised RuntimeError: scorer down" in msgs[0]
-    assert "prompt id 12 (completion 0)" in msgs[1] and "returned 1 scores for 3 steps" in msgs[1]
-    assert "prompt id 12 (completion 1)" in msgs[2] and "found no steps" in msgs[2]
-    assert all("scored rewards.error_score" in m for m in msgs)
+    # one line for the reward (the first failure, the count), reported once by the scoring path
+    assert len(errors) == 1 and "prompt id 11: the scorer raised RuntimeError: scorer down (completion 1)" in errors[0]
+    assert "3 of 4 completions failed" in errors[0] and "scored rewards.error_score" in errors[0]
+    assert rewards.process.drain_errors() == []
+    why = [r.error for r in rewards.process.results_for(problems, groups)]  # each completion keeps its reason
+    assert why[0] is None and "raised RuntimeError: scorer down" in why[1]
+    assert "returned 1 scores for 3 steps" in why[2] and "found no steps" in why[3]
     assert per_fn["process"].tolist() == [[1.0, -1.0], [-1.0, -1.0]]  # the good completion keeps its score
     # dense: the failed completions get no step advantage, the good one's group has nothing to compare
     informative = rewards.process.attach_dense(problems, groups, char_tok)

@@ -95,7 +95,7 @@ def test_reward_manager_with_arithmetic_demo_format(pool):
 
 
 def test_score_groups_non_finite_and_none():
-    """The trainer's scoring path: a None score and a raising call both count `error_score`, in
+    """The trainer's scoring path: a None score and a NaN both count `error_score`, in
     each reward and in the weighted total (the same rule as combine_rewards(none_score=...))."""
     from fastgrpo.rewards.combine import score_groups
 
@@ -112,8 +112,9 @@ def test_score_groups_non_finite_and_none():
     groups = [[C("ok"), C("none")], [C("bad"), C("ok")]]
     per_fn, total, dropped, errors = score_groups([P(7), P(8)], groups, fns, ["accuracy", "format"], [1.0, 2.0],
                                                   error_score=-2.0)
-    assert per_fn["accuracy"].tolist() == [[1.0, -2.0], [-2.0, -2.0]]
-    assert total.tolist() == [[2.0, -1.0], [-1.0, -1.0]]
+    # the NaN fails its own completion only (fastgrpo.rewards.faults), not its group
+    assert per_fn["accuracy"].tolist() == [[1.0, -2.0], [-2.0, 1.0]]
+    assert total.tolist() == [[2.0, -1.0], [-1.0, 2.0]]
     assert len(errors) == 1 and "prompt id 8" in errors[0] and "non-finite" in errors[0] and not dropped
     _, _, dropped, _ = score_groups([P(7), P(8)], groups, fns, ["accuracy"], [1.0], on_error="drop")
     assert dropped == {1}

@@ -64,3 +64,21 @@ def test_same_process_twice_is_refused_and_error_is_a_valueerror(tmp_path):
     a.release()  # idempotent
     with RunLock(str(tmp_path / "run")):
         pass
+
+
+def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
+    """issue 26: the lock is on the folder, so removing its record file during a run changes nothing."""
+    p = _try(tmp_path, hold=True)
+    try:
+        assert p.stdout.readline().strip() == "ACQUIRED"
+        os.remove(tmp_path / LOCK_NAME)  # what `rm -f runs/x/.fastgrpo-run.lock` (or a cleanup script) does
+        q = _try(tmp_path)
+        out, _ = q.communicate(timeout=60)
+        assert q.returncode == 3 and "REFUSED" in out and "in use by another process" in out, out
+        assert not (tmp_path / LOCK_NAME).exists() or "ACQUIRED" not in out
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    q = _try(tmp_path)  # the holder is gone: the folder is free again
+    out, _ = q.communicate(timeout=60)
+    assert q.returncode == 0 and "ACQUIRED" in out, out

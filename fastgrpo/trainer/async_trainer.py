@@ -1,0 +1,151 @@
+"""The asynchronous GRPO trainer (`rollout.mode=async`): rollout workers on Ray generate while
+this process trains; the trainer's phases are the colocated Trainer's, unchanged.
+
+Schedule as in AReaL's fully asynchronous RL and verl's fully-async trainer: rollout workers
+(fastgrpo/workers/, one engine each) generate continuously into a version-tagged buffer bounded
+by admission (η = rollout.max_staleness); each step takes the oldest groups (`_round`: the
+rollout phase is the wait for them), then reward → advantages → pack → old / ref log-probs →
+update exactly as the colocated trainer, and `_sync` broadcasts the new weights to every worker
+over a group made for it, verified (fastgrpo/sync/broadcast.py). The rollouts are off-policy by
+up to η versions: their sampling log-probs are the behaviour log-probs (`_off_policy`), corrected
+as algorithm.correction says (fastgrpo.correction). Difficulty filtering, dynamic sampling,
+zero-σ dropping and every reward (process rewards included) run per group as before, on the
+groups taken.
+
+Metrics per step: async/staleness_mean / _max (trained version − sampling version, per
+completion), async/version_span (versions inside one completion; 0 while rollout.inflight=wait),
+async/wait_trainer (seconds this step waited for rollouts), async/wait_rollout (seconds a worker
+sat idle for want of admitted prompts, mean over workers), async/buffer (returned groups not yet
+trained), async/inflight, async/version, async/worker_restarts.
+
+Departures: one trainer process (several trainer ranks are refused for now); evaluation (pipeline's held-out eval) samples in this process from the
+trainer's own module.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict
+
+from fastgrpo.sync.broadcast import BroadcastError, SyncVerificationError
+from fastgrpo.trainer.grpo import Trainer
+from fastgrpo.trainer.update import TrainingStopped
+from fastgrpo.workers.pool import WorkerError
+
+_FAULTS = (WorkerError, BroadcastError, SyncVerificationError)
+
+
+class _AsyncMetrics:
+    def __init__(self, trainer):
+        self.t = trainer
+
+    def metrics(self) -> Dict[str, float]:
+        t = self.t
+        st, span = t._staleness, t._span
+        out = {"async/staleness_mean": sum(st) / len(st) if st else 0.0,
+               "async/staleness_max": float(max(st)) if st else 0.0,
+               "async/version_span": float(max(span)) if span else 0.0}
+        out.update(t.orchestrator.metrics(t.step_num))
+        t._staleness, t._span = [], []
+        return out
+
+
+class AsyncTrainer(Trainer):
+    def __init__(self, cfg, model=None, tokenizer=None, task=None, engine=None, backend=None, curriculum=None,
+                 log=print, pool=None):
+        if engine is None and model is not None:  # evaluation samples from the trainer's own module
+            from fastgrpo.rollout.torch_engine import TorchEngine
+
+            engine = TorchEngine(model, tokenizer, max_batch_size=256)
+        super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log)
+        if self.world_size > 1:
+            raise ValueError(f"rollout.mode=async with {self.world_size} trainer ranks: one trainer process only for "
+                             "now; run without torchrun / deepspeed launchers or use rollout.mode=colocated")
+        from fastgrpo.workers.cluster import start_ray
+        from fastgrpo.workers.orchestrator import Orchestrator
+
+        self._staleness, self._span = [], []
+        self.trained_indices = []  # admission index of every group taken by this process (exact accounting)
+        self.metric_sources = (_AsyncMetrics(self),)
+        try:
+            start_ray(cfg, log=log)
+        except RuntimeError as e:  # Ray cannot start / be joined, or offers too little: one line, exit 2
+            raise ValueError(str(e)) from None
+        by_id = {p.id: p for p in self.task.train}
+
+        def prompt_ids(problems):
+            self._tokenize(problems)
+            return [self._prompt_ids[p.id] for p in problems]
+
+        self.orchestrator = Orchestrator(cfg, self.curriculum.sample, prompt_ids, by_id, self._named_weights,
+                                         self.sampling, pool=pool, log=log)
+        if cfg.rollout.engine != "torch":  # a vLLM worker sizes its context to the longest prompt
+            self.orchestrator.pool.prompt_len = self._max_prompt_len()
+        try:
+            self.orchestrator.start(self.step_num)
+        except _FAULTS as e:  # a worker that cannot start, a group that cannot form: one line, exit 2
+            self.orchestrator.close()
+            raise ValueError(str(e)) from None
+        except BaseException:
+            self.orchestrator.close()
+            raise
+
+    def step(self) -> Dict[str, float]:
+        try:
+            return super().step()
+        except _FAULTS as e:  # a worker, a sync or a timeout failed: stop with one line (the CLI's exit 3)
+            raise TrainingStopped(f"stopped at step {self.step_num}: {e}; the last checkpoint is intact — fix the "
+                                  "cause and run the same command to resume") from None
+
+    def _named_weights(self):
+        with self._full_weights():
+            return [(n, p.detach()) for n, p in self.backend.module.named_parameters()]
+
+    def _off_policy(self) -> bool:
+        return True  # every rollout comes from a worker's copy of the weights, up to η versions old
+
+    def _round(self, n: int) -> SimpleNamespace:
+        with self.timers.phase("rollout"):
+            items = self.orchestrator.take(n, self.step_num)
+        problems = [it.problem for it in items]
+        groups = [it.groups for it in items]
+        version = self.orchestrator.version
+        for g in groups:
+            for c in g:
+                self._staleness.append(version - c.policy_version)
+                tv = c.token_versions
+                self._span.append(max(tv) - min(tv) if tv else 0)
+        eta = self.cfg.rollout.max_staleness
+        if self._staleness and max(self._staleness) > eta:
+            raise RuntimeError(f"step {self.step_num}: a group {max(self._staleness)} versions stale was taken with "
+                               f"rollout.max_staleness={eta}; the admission bound was broken (a bug)")
+        self.trained_indices.extend(it.index for it in items)  # admission indices, in training order
+        self._tokenize(problems)
+        per_fn, total, dropped = self._score(problems, groups)
+        total, adv, keep, zero_std = self._advantages(problems, per_fn, total, dropped)
+        return SimpleNamespace(problems=problems, groups=groups, per_fn=per_fn, total=total, adv=adv, keep=keep,
+                               zero_std=zero_std)
+
+    def _sync(self):
+        with self.timers.phase("sync"):
+            self.orchestrator.sync(self.step_num, changed=self._weights_changed)
+            self._weights_changed = False
+            self._engine_stale = False
+
+    def _extra_state(self) -> dict:
+        return {"async": self.orchestrator.state_dict()}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if extra.get("async") is not None:
+            self.orchestrator.load_state_dict(extra["async"], self.step_num)
+        else:  # a colocated run's checkpoint: the workers get its weights as version step_num
+            self.orchestrator.version = self.step_num
+            self.orchestrator.load_state_dict(self.orchestrator.state_dict(), self.step_num)
+
+    def close(self) -> None:
+        from fastgrpo.workers.cluster import stop_ray
+
+        try:
+            self.orchestrator.close()
+        finally:
+            super().close()
+            stop_ray()

@@ -1,0 +1,271 @@
+"""The asynchronous schedule's orchestrator (trainer rank 0): admission by staleness, the
+version-tagged buffer, dispatch to rollout workers, fault recovery, its own checkpoint state.
+
+Admission follows AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+Learning System", §5 staleness-aware training): a prompt is started only when it cannot arrive
+more than η = rollout.max_staleness versions stale; samples are never dropped to enforce it.
+AReaL admits while `admitted < (version + η + 1) · B`; we count what the trainer really took
+instead of `version · B` — `admitted < C(version) + (η + 1) · B`, C(v) = prompts consumed when
+version v was published — because dynamic sampling and extra rounds consume more than B
+prompts a step, and the trainer's own demand of the moment is always admitted (sampled at the
+current version, those are fresh). The trainer takes the oldest groups first and must take every
+group whose deadline is this step (admitted at a version ≤ v − η), and a group of a newer
+admission version never overtakes an unreturned one of an older version (stragglers are overtaken
+only inside their own version); with each step consuming at least B prompts the deadline set
+then never exceeds B, so staleness (the version being trained minus the version that sampled it)
+never exceeds η.
+
+Deterministic mode (rollout.deterministic, for tests) puts this schedule on a logical clock:
+one prompt per call with its own seed, every call admitted under version v finishes before
+version v + 1 is broadcast (swaps at fixed points), and the trainer takes groups in admission
+order — two runs with one seed train on the same groups in the same order.
+
+Faults: a worker that dies is restarted, the group re-formed, the current weights broadcast, and
+every prompt it held is resubmitted (same admission index and seed). The state saved with a
+checkpoint holds the buffered groups with their versions and the admitted-but-unreturned
+prompts, so a resumed run trains every admitted prompt exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from fastgrpo.rollout.base import Completion
+from fastgrpo.workers.pool import WorkerDied, WorkerError, WorkerPool
+
+
+@dataclass
+class Admitted:
+    index: int                 # admission order (0, 1, …) over the whole run
+    problem: object            # the task's problem (`.id`, `.prompt`)
+    admit_version: int         # trainer weights version when it was admitted
+    seed: Optional[int]        # its sampling seed (deterministic mode), else None
+    groups: Optional[List[Completion]] = None  # its G completions once returned
+
+
+class Orchestrator:
+    def __init__(self, cfg, sample: Callable[[int], list], prompt_ids: Callable[[list], List[List[int]]],
+                 problems_by_id: Dict, weights: Callable[[], list], sampling, pool: Optional[WorkerPool] = None,
+                 log=print):
+        r = cfg.rollout
+        self.cfg, self.log = cfg, log
+        self.B, self.G, self.eta = r.prompts_per_step, r.group_size, r.max_staleness
+        self.det = r.deterministic
+        self.chunk = 1 if self.det else (r.prompts_per_call or max(1, math.ceil(self.B / r.workers)))
+        self.sample, self.prompt_ids, self.by_id, self.weights = sample, prompt_ids, problems_by_id, weights
+        self.sampling = sampling
+        self.pool = pool if pool is not None else WorkerPool(cfg, log)
+        self.timeout = float(cfg.sync.timeout)
+        self.version = 0           # the version of the weights the workers hold (= trainer syncs so far)
+        self.admitted = 0          # prompts admitted so far (next admission index)
+        self.consumed = 0          # prompts handed to the trainer so far
+        self.consumed_at_version = 0  # C(version)
+        self.items: Dict[int, Admitted] = {}  # admitted, not yet consumed (running, queued or buffered)
+        self.queue: List[int] = []  # admitted, to be (re)submitted
+        self.calls: Dict = {}       # ObjectRef → (worker, [indices])
+        self.outstanding = [0] * self.pool.n
+        self._call_seq = 0
+        self._idle = [0.0] * self.pool.n  # each worker's reported idle seconds (cumulative, this process)
+        self._idle_seen = 0.0
+        self.wait_trainer = 0.0     # seconds the trainer waited for groups (cumulative, reset by metrics())
+        self.sync_s = 0.0
+        self._syncing = False
+        self.started = False
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self, step: int = 0) -> None:
+        self.pool.start(step)
+        self.pool.form_group(step)
+        self.sync_s += self.pool.broadcast(self.weights(), self.version, step)
+        self.started = True
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ------------------------------------------------------------------ admission and dispatch
+    def limit(self, demand: int = 0) -> int:
+        return max(self.consumed_at_version + (self.eta + 1) * self.B, self.consumed + demand)
+
+    def admit(self, demand: int = 0) -> None:
+        room = self.limit(demand) - self.admitted
+        if room > 0:
+            for p in self.sample(room):
+                i = self.admitted
+                self.admitted += 1
+                seed = (self.cfg.seed * 1_000_003 + 7919 * i) % (2 ** 31 - 1) if self.det else None
+                self.items[i] = Admitted(i, p, self.version, seed)
+                self.queue.append(i)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            idxs, self.queue = self.queue[:self.chunk], self.queue[self.chunk:]
+            w = min(range(self.pool.n), key=lambda k: (self.outstanding[k], k))
+            ids = self.prompt_ids([self.items[i].problem for i in idxs])
+            seeds = [self.items[i].seed for i in idxs] if self.det else None
+            self._call_seq += 1
+            ref = self.pool.submit(w, self._call_seq, ids, self.G, self.sampling, seeds)
+            self.calls[ref] = (w, idxs)
+            self.outstanding[w] += len(idxs)
+
+    def _collect(self, step: int, block: bool) -> None:
+        """Take in the results of finished calls (waiting for at least one when `block`)."""
+        import ray
+
+        if not self.calls:
+            if block:
+                raise WorkerError(f"step {step}: the trainer waits for rollouts but none is running "
+                                  f"(admitted {self.admitted}, consumed {self.consumed}); this is a bug")
+            return
+        ready, _ = ray.wait(list(self.calls), num_returns=1 if block else len(self.calls),
+                            timeout=self.timeout if block else 0)
+        if block and not ready:
+            busy = sorted({w for w, _ in self.calls.values()})
+            raise WorkerError(f"{', '.join(self.pool.name(w) for w in busy)}: generate at step {step} returned nothing "
+                              f"within sync.timeout={self.timeout:g} s; raise sync.timeout if generation is only slow")
+        if not block and ready:  # everything already done, not only the first
+            ready, _ = ray.wait(list(self.calls), num_returns=len(ready), timeout=0)
+        for ref in ready:
+            if ref not in self.calls:
+                continue  # moved back to the queue by a recovery
+            w, idxs = self.calls.pop(ref)
+            self.outstanding[w] -= len(idxs)
+            try:
+                res = self.pool.get([ref], [w], "generate", step)[0]
+            except WorkerDied as e:
+                self.queue = sorted(self.queue + idxs)
+                self._recover(e.index, step)
+                continue
+            for i, g in zip(idxs, res["groups"]):
+                self.items[i].groups = g
+            self._idle[w] = res["idle_s"]
+
+    def _recover(self, w: int, step: int) -> None:
+        """Restart worker `w`; its calls go back to the queue (same indices, seeds, versions)."""
+        for ref, (ww, idxs) in list(self.calls.items()):
+            if ww == w:
+                del self.calls[ref]
+                self.queue.extend(idxs)
+        self.queue.sort()
+        self.outstanding[w] = 0
+        self._idle[w] = 0.0
+        self.pool.restart(w, step)
+        self.pool.form_group(step)
+        # inside a sync the trainer's weights are already the next version's
+        self.pool.broadcast(self.weights(), self.version + (1 if self._syncing else 0), step)
+        self._dispatch()
+
+    # ------------------------------------------------------------------ the trainer's side
+    def take(self, n: int, step: int) -> List[Admitted]:
+        """At least `n` groups for the trainer (more when more are due this step), oldest first."""
+        t0 = time.perf_counter()
+        self.admit(demand=n)
+        self._collect(step, block=False)
+        due = sorted(i for i, it in self.items.items() if it.admit_version + self.eta <= self.version)
+        want = max(n, len(due))
+        while True:
+            chosen = self._choose(due, want)
+            if chosen is not None:
+                break
+            self._collect(step, block=True)
+        out = [self.items.pop(i) for i in chosen]
+        self.consumed += len(out)
+        self.wait_trainer += time.perf_counter() - t0
+        return out
+
+    def _choose(self, due: List[int], want: int) -> Optional[List[int]]:
+        """The groups to hand over now, or None to wait for more. Deterministic: the `want`
+        oldest by admission. Otherwise every due group, then the returned groups of the oldest
+        admission version first; a newer version's group never overtakes an older version's
+        unreturned one (that keeps the due set within B, see the module docstring), while inside
+        one version a straggler is overtaken and taken at the next step."""
+        done = lambda i: self.items[i].groups is not None  # noqa: E731
+        if self.det:
+            chosen = sorted(self.items)[:want]
+            return chosen if all(map(done, chosen)) else None
+        if not all(map(done, due)):
+            return None
+        chosen, due_set = list(due), set(due)
+        rest = sorted((i for i in self.items if i not in due_set), key=lambda i: (self.items[i].admit_version, i))
+        k = 0
+        while len(chosen) < want and k < len(rest):
+            version = self.items[rest[k]].admit_version
+            cohort = []
+            while k < len(rest) and self.items[rest[k]].admit_version == version:
+                cohort.append(rest[k])
+                k += 1
+            ready = [i for i in cohort if done(i)]
+            chosen += ready[:want - len(chosen)]
+            if len(chosen) < want and len(ready) < len(cohort):
+                return None  # the rest would overtake this version's unreturned groups
+        return chosen if len(chosen) >= want else None
+
+    def sync(self, step: int, changed: bool) -> None:
+        """Publish the trainer's next version to every worker, then admit what it allows."""
+        self._syncing = True
+        try:
+            if self.det:  # logical clock: every call admitted under this version finishes under it
+                while self.calls:
+                    self._collect(step, block=True)
+            t0 = time.perf_counter()
+            version = self.version + 1
+            try:
+                if changed:
+                    self.pool.broadcast(self.weights(), version, step)
+                else:
+                    self.pool.set_version(version, step)
+            except WorkerDied as e:
+                self._recover(e.index, step)  # broadcasts the new version to everyone
+            self.sync_s += time.perf_counter() - t0
+            self.version = version
+            self.consumed_at_version = self.consumed
+        finally:
+            self._syncing = False
+        self.admit()
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        self._collect(step, block=False)  # count what has returned by now
+        idle = sum(self._idle)
+        out = {"async/wait_trainer": self.wait_trainer,
+               "async/wait_rollout": max(0.0, idle - self._idle_seen) / max(1, self.pool.n),
+               "async/buffer": float(sum(1 for it in self.items.values() if it.groups is not None)),
+               "async/inflight": float(sum(1 for it in self.items.values() if it.groups is None)),
+               "async/version": float(self.version), "async/worker_restarts": float(self.pool.restarts),
+               "async/admitted": float(self.admitted)}
+        self._idle_seen = idle
+        self.wait_trainer = 0.0
+        return out
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> Dict:
+        items = []
+        for i in sorted(self.items):
+            it = self.items[i]
+            items.append({"index": i, "problem": it.problem.id, "admit_version": it.admit_version, "seed": it.seed,
+                          "groups": None if it.groups is None else [dataclasses.asdict(c) for c in it.groups]})
+        return {"version": self.version, "admitted": self.admitted, "consumed": self.consumed,
+                "consumed_at_version": self.consumed_at_version, "items": items}
+
+    def load_state_dict(self, state: Dict, step: int) -> None:
+        """Restore the buffer and the unreturned prompts (resubmitted at the next take) and
+        broadcast the trainer's weights (the checkpoint's) as the saved version."""
+        for ref in list(self.calls):
+            del self.calls[ref]
+        self.outstanding = [0] * self.pool.n
+        self.version = int(state["version"])
+        self.admitted, self.consumed = int(state["admitted"]), int(state["consumed"])
+        self.consumed_at_version = int(state["consumed_at_version"])
+        self.items, self.queue = {}, []
+        for d in state["items"]:
+            if d["problem"] not in self.by_id:
+                raise ValueError(f"checkpoint: buffered prompt {d['problem']!r} is not in this run's training set; "
+                                 "resume with the data the checkpoint was written with")
+            groups = None if d["groups"] is None else [Completion(**c) for c in d["groups"]]
+            self.items[d["index"]] = Admitted(d["index"], self.by_id[d["problem"]], d["admit_version"], d["seed"], groups)
+            if groups is None:
+                self.queue.append(d["index"])
+        if self.started:
+            self.sync_s += self.pool.broadcast(self.weights(), self.version, step)

@@ -1,0 +1,203 @@
+"""The rollout worker actors as seen from trainer rank 0: start them, form the broadcast group,
+broadcast and verify weights, submit generate calls, restart a worker that died.
+
+Every RPC waits at most `sync.timeout` seconds and every failure raises `WorkerError` with one
+line naming the worker (index and pid), the step and the operation — a worker that cannot start
+fails here, at start, naming why (its constructor's error, or the resources nobody offers).
+A dead worker is replaced by a fresh actor; the broadcast group is formed again with it (a gloo
+group cannot take a new member) and the current weights are broadcast to everyone.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from fastgrpo.sync import broadcast as bc
+from fastgrpo.workers.cluster import worker_resources
+from fastgrpo.workers.rollout_worker import RolloutWorker
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker failed, timed out or could not start (the message names it)."""
+
+
+class WorkerDied(WorkerError):
+    def __init__(self, index: int, msg: str):
+        super().__init__(msg)
+        self.index = index
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    # Ray wraps the actor's own exception in a traceback dump: keep its last meaningful line
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith(("File ", "^", "~", "Traceback")) and ":" in ln:
+            return ln[:400]
+    return (lines[-1] if lines else type(e).__name__)[:400]
+
+
+class WorkerPool:
+    def __init__(self, cfg, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.timeout = float(cfg.sync.timeout)
+        self.n = cfg.rollout.workers
+        self.actors: List = [None] * self.n
+        self.pids: List[Optional[int]] = [None] * self.n
+        self.engines: List[Optional[str]] = [None] * self.n  # torch | vllm, as each worker reported
+        self.group: Optional[bc.BroadcastGroup] = None
+        self.restarts = 0
+        self.bucket_bytes = int(cfg.sync.bucket_mb) << 20
+        self._plan_key = None
+        self._plan = None
+        self.prompt_len = 0  # tokens of the longest prompt (sizes a vLLM worker's context)
+
+    # ------------------------------------------------------------------ lifecycle
+    def name(self, i: int) -> str:
+        return f"rollout worker {i} (pid {self.pids[i]})" if self.pids[i] else f"rollout worker {i}"
+
+    def _new_actor(self, i: int):
+        import ray
+
+        cls = ray.remote(concurrency_groups={"gen": 1, "sync": 2}, max_restarts=0)(RolloutWorker)
+        cls = cls.options(**worker_resources(self.cfg))
+        return cls.remote(self.cfg, i, self.prompt_len)
+
+    def start(self, step: int = 0) -> None:
+        for i in range(self.n):
+            self.actors[i] = self._new_actor(i)
+        for i in range(self.n):
+            info = self._start_wait(i, step)
+            self.pids[i], self.engines[i] = info["pid"], info["engine"]
+        self.log(f"[fastgrpo] {self.n} rollout worker(s) up: pids {self.pids}, engines {self.engines}")
+
+    def _start_wait(self, i: int, step: int) -> Dict:
+        import ray
+
+        ref = self.actors[i].ready.options(concurrency_group="sync").remote()
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerError(f"rollout worker {i} did not start within sync.timeout={self.timeout:g} s (step {step}): "
+                              f"the cluster has {ray.available_resources()} free and it needs "
+                              f"{worker_resources(self.cfg)}; free resources or lower rollout.workers") from None
+        except Exception as e:  # noqa: BLE001 — the actor's constructor raised, or it died
+            raise WorkerError(f"rollout worker {i} could not start (step {step}): {_first_line(e)}") from None
+
+    def restart(self, i: int, step: int) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
+        self.restarts += 1
+        self.log(f"[fastgrpo] {self.name(i)} died at step {step}: restarting it (restart {self.restarts})")
+        self.actors[i] = self._new_actor(i)
+        self.pids[i] = self._start_wait(i, step)["pid"]
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            if a is not None:
+                try:
+                    ray.get(a.close.options(concurrency_group="sync").remote(), timeout=30)
+                except Exception:  # noqa: BLE001 — dead or stuck: killed below
+                    pass
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.actors = [None] * self.n
+        self.group = None
+
+    # ------------------------------------------------------------------ RPC with deadlines
+    def get(self, refs: Sequence, who: Sequence[int], op: str, step: int) -> List:
+        """ray.get of one ref per worker in `who`, each within the timeout; a dead worker raises
+        WorkerDied(index), anything else WorkerError naming worker, step and operation."""
+        import ray
+
+        out = []
+        deadline = time.monotonic() + self.timeout
+        for ref, i in zip(refs, who):
+            try:
+                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerError(f"{self.name(i)}: {op} at step {step} timed out after sync.timeout={self.timeout:g} s; "
+                                  "raise sync.timeout if the worker is only slow, else check its log") from None
+            except ray.exceptions.RayActorError as e:
+                raise WorkerDied(i, f"{self.name(i)} died during {op} at step {step}: {_first_line(e)}") from None
+            except bc.SyncVerificationError:
+                raise
+            except Exception as e:  # noqa: BLE001 — the worker's own error, one line
+                raise WorkerError(f"{self.name(i)}: {op} at step {step} failed: {_first_line(e)}") from None
+        return out
+
+    def alive(self) -> List[bool]:
+        import ray
+
+        refs = [a.ready.options(concurrency_group="sync").remote() for a in self.actors]
+        ok = []
+        for r in refs:
+            try:
+                ray.get(r, timeout=min(self.timeout, 30.0))
+                ok.append(True)
+            except Exception:  # noqa: BLE001
+                ok.append(False)
+        return ok
+
+    # ------------------------------------------------------------------ the broadcast group
+    def form_group(self, step: int) -> None:
+        """A fresh stateless group: rank 0 here, worker i is rank i + 1."""
+        import ray
+
+        import torch
+
+        host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
+        world = self.n + 1
+        # NCCL when the trainer and the workers hold GPUs, gloo otherwise (every member the same)
+        device = "cuda" if torch.cuda.is_available() and worker_resources(self.cfg)["num_gpus"] > 0 else "cpu"
+        store, port = bc.BroadcastGroup.serve(host, world, self.timeout)
+        refs = [a.join_group.options(concurrency_group="sync").remote(host, port, i + 1, world, self.timeout, device)
+                for i, a in enumerate(self.actors)]
+        try:
+            self.group = bc.BroadcastGroup(host, port, 0, world, self.timeout, device=device, store=store)
+        except bc.BroadcastError as e:
+            self.get(refs, range(self.n), "joining the weight-broadcast group", step)  # names the worker that failed
+            raise WorkerError(f"weight-broadcast group at step {step}: {e}") from None
+        self.get(refs, range(self.n), "joining the weight-broadcast group", step)
+
+    def broadcast(self, named: List[Tuple[str, object]], version: int, step: int) -> float:
+        """Send `named` as `version` to every worker and verify what each staged. Returns seconds."""
+        t0 = time.perf_counter()
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in named)
+        if key != self._plan_key:
+            self._plan_key, self._plan = key, bc.plan(named, self.bucket_bytes)
+        refs = [a.receive_weights.options(concurrency_group="sync").remote(version, self._plan) for a in self.actors]
+        what = f"weight broadcast of version {version} at step {step}"
+        try:
+            bc.send(self.group, named, self._plan, what)
+        except bc.BroadcastError as e:
+            alive = self.alive()
+            dead = [i for i, ok in enumerate(alive) if not ok]
+            if dead:
+                raise WorkerDied(dead[0], f"{self.name(dead[0])} died during the {what}") from None
+            raise WorkerError(f"{e} (workers {[self.name(i) for i in range(self.n)]})") from None
+        expected = bc.checksums(named)  # while the workers compute theirs
+        results = self.get(refs, range(self.n), what, step)
+        for i, (got_version, sums) in enumerate(results):
+            bc.verify(expected, sums, f"{self.name(i)} at step {step}", version, got_version)
+        return time.perf_counter() - t0
+
+    def set_version(self, version: int, step: int) -> None:
+        refs = [a.set_version.options(concurrency_group="sync").remote(version) for a in self.actors]
+        self.get(refs, range(self.n), f"version bump to {version}", step)
+
+    def submit(self, i: int, call_id: int, prompt_ids, n: int, sampling, seeds):
+        return self.actors[i].generate.options(concurrency_group="gen").remote(call_id, prompt_ids, n, sampling, seeds)
+
+    def stats(self, step: int) -> List[Dict]:
+        refs = [a.stats.options(concurrency_group="sync").remote() for a in self.actors]
+        return self.get(refs, range(self.n), "stats", step)

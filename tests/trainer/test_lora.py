@@ -1,0 +1,219 @@
+"""LoRA policies in the trainer (issue 24): only the adapter in the optimizer, the reference of
+β > 0 is the base with the adapter disabled (no copy), checkpoints hold the adapter and resume
+bit-exactly, `model.path` takes an adapter folder, `fastgrpo export --merge` writes a merged HF
+folder, and the bad inputs fail at load naming the field."""
+import json
+import os
+
+import pytest
+import torch
+
+from trainer_helpers import NoisyTask
+
+from fastgrpo.models import lora
+from fastgrpo.trainer.build import build_model
+from fastgrpo.trainer.grpo import Trainer
+
+LORA = ("model.lora.rank=4", "optimizer.lr=5e-3")
+
+
+def _quiet(*_a, **_k):
+    return None
+
+
+def _adapter(trainer):
+    return {k: v.detach().clone() for k, v in lora.adapter_named_tensors(trainer.backend.module).items()}
+
+
+def _base(trainer):
+    return {k: v.detach().clone() for k, v in trainer.backend.module.state_dict().items() if ".lora_" not in k}
+
+
+def test_only_the_adapter_trains_and_the_base_stays(cfg_factory, tmp_path):
+    t = Trainer(cfg_factory(*LORA, f"logging.out_dir={tmp_path / 'a'}"), task=NoisyTask(), log=_quiet)
+    module = t.backend.module
+    opt_params = [p for g in t.backend.optimizer.param_groups for p in g["params"]]
+    adapter = list(lora.adapter_named_tensors(module).values())
+    assert len(opt_params) == len(adapter) > 0
+    assert {p.data_ptr() for p in opt_params} == {p.data_ptr() for p in adapter}
+    base0, a0 = _base(t), _adapter(t)
+    t.train()
+    base1, a1 = _base(t), _adapter(t)
+    t.close()
+    assert all(torch.equal(base0[k], base1[k]) for k in base0), "a base weight moved"
+    assert any(not torch.equal(a0[k], a1[k]) for k in a0), "the adapter never trained: test is vacuous"
+
+
+def test_reference_is_the_base_with_the_adapter_disabled(cfg_factory, tmp_path):
+    t = Trainer(cfg_factory(*LORA, "algorithm.beta=0.1", f"logging.out_dir={tmp_path / 'a'}"), task=NoisyTask(),
+                log=_quiet)
+    module = t.backend.module
+    assert t.ref_model is module  # no copy of the model: the same module
+    n_params = sum(p.numel() for p in module.parameters())
+    with torch.no_grad():  # a trained-looking adapter: B ≠ 0, so the policy differs from its base
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    r = t._round(4)
+    batches = t._pack(r.problems, r.groups, r.adv, r.keep)
+    batches = [b for b in batches if b is not None]
+    assert batches
+    t._old_logp(batches)
+    # the base alone: the same weights without the adapter, built independently
+    base, _ = build_model(t.cfg.model.__class__(**{**t.cfg.model.__dict__, "lora": t.cfg.model.lora.__class__()}))
+    base.load_state_dict({k.replace(".base_layer.", "."): v for k, v in module.state_dict().items()
+                          if ".lora_" not in k})
+    base.eval()
+    for b in batches:
+        want = t._logprobs_of(base, b)
+        pol = t._logprobs_of(module, b)
+        torch.testing.assert_close(b.ref_logp, want, rtol=0, atol=1e-5)
+        assert (pol - want).abs().max() > 1e-3, "the adapter changes nothing: test is vacuous"
+    assert sum(p.numel() for p in module.parameters()) == n_params
+    assert all(p.requires_grad for n, p in module.named_parameters() if ".lora_" in n)  # re-enabled after
+    t.close()
+
+
+def test_lora_resume_continues_exactly(cfg_factory, tmp_path):
+    extra = (*LORA, "steps=4", "algorithm.inner_steps=2", "optimizer.schedule=cosine", "algorithm.beta=0.05")
+    a = Trainer(cfg_factory(*extra, f"logging.out_dir={tmp_path / 'a'}"), task=NoisyTask(), log=_quiet)
+    a0 = _adapter(a)
+    a.train()
+    wa = _adapter(a)
+    a.close()
+    cfg_b = cfg_factory(*extra, f"logging.out_dir={tmp_path / 'b'}")
+    b = Trainer(cfg_b, task=NoisyTask(), log=_quiet)
+    b.step()
+    b.step()
+    path = b.save()
+    b.close()
+    mdir = os.path.join(path, "model")
+    assert lora.is_adapter_dir(mdir) and not os.path.exists(os.path.join(mdir, "model.safetensors"))
+    # the adapter and its AdamW state only: a small fraction of a full checkpoint's weights
+    n_base = sum(v.numel() for v in _base(a).values())
+    n_adapter = sum(v.numel() for v in wa.values())
+    assert os.path.getsize(os.path.join(mdir, "adapter_model.safetensors")) < 4 * n_base * 0.5
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    moments = sum(v.numel() for s in state["optimizer"]["state"].values() for k, v in s.items() if k != "step")
+    assert moments == 2 * n_adapter
+    c = Trainer(cfg_b, task=NoisyTask(), log=_quiet)
+    assert c.maybe_resume() == path and c.step_num == 2
+    c.train()
+    wc = _adapter(c)
+    c.close()
+    assert any(not torch.equal(a0[k], wa[k]) for k in wa), "training never changed the adapter: test is vacuous"
+    for k in wa:
+        assert torch.equal(wa[k], wc[k]), f"{k} differs between the uninterrupted and the resumed LoRA run"
+
+
+def test_model_path_takes_an_adapter_folder_and_export_merges(cfg_factory, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.cli import main
+    from fastgrpo.config import dump_config
+
+    cfg = cfg_factory(*LORA, f"logging.out_dir={tmp_path / 'run'}")
+    os.makedirs(cfg.logging.out_dir)
+    dump_config(cfg, os.path.join(cfg.logging.out_dir, "config.yaml"))
+    t = Trainer(cfg, task=NoisyTask(), log=_quiet)
+    with torch.no_grad():
+        for name, p in t.backend.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    t.save()
+    ids = torch.tensor([[3, 10, 11, 12, 20, 5, 7]])
+    with torch.no_grad():
+        want = t.backend.module(input_ids=ids).logits
+    t.close()
+    # model.path = the run folder → its latest checkpoint's adapter on its base
+    again, _ = build_model(cfg_factory(f"model.path={cfg.logging.out_dir}").model)
+    assert lora.is_lora(again)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=1e-5)
+    out = tmp_path / "merged"
+    assert main(["export", "--merge", cfg.logging.out_dir, str(out)]) == 0
+    assert not os.path.exists(out / "adapter_config.json")
+    merged = AutoModelForCausalLM.from_pretrained(str(out))  # plain transformers, no PEFT
+    assert not any("lora" in k for k in merged.state_dict())
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    # oracle rule: the merged float32 model within float32 rounding of the adapted one
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    from fastgrpo.cli import main
+
+    def run(*sets):
+        code = main(["train", *[x for s in sets for x in ("--set", s)], "--out", str(tmp_path / "r"),
+                     "--set", "steps=1", "--set", "rollout.engine=torch"])
+        return code, capsys.readouterr().err.strip()
+
+    code, err = run("model.lora.alpha=16")
+    assert code == 2 and "model.lora.rank" in err and "\n" not in err
+    code, err = run("model.lora.rank=2", "model.lora.target_modules=[qproj]")
+    assert code == 2 and "model.lora.target_modules[0]='qproj'" in err and "q_proj" in err and "down_proj" in err
+    # an adapter folder whose base is missing
+    bad = tmp_path / "adapter"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2,
+                                                         "base_model_name_or_path": str(tmp_path / "gone")}))
+    code, err = run(f"model.path={bad}")
+    assert code == 2 and "model.path" in err and "gone" in err and "missing" in err
+    assert not os.path.exists(tmp_path / "r" / "checkpoints")
+
+
+def test_adapter_of_another_architecture_is_refused(tmp_path):
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer.lora_run import check_lora_run
+
+    small, _ = build_model(load_config(None, ["model.lora.rank=2", "model.hidden_size=32"]).model)
+    folder = str(tmp_path / "ad")
+    lora.save_adapter(small, folder)  # names base "tiny" (hidden 32)
+    with pytest.raises(ValueError, match=r"model.path=.*does not fit its base .tiny. .*against a \[64, "):
+        check_lora_run(load_config(None, [f"model.path={folder}", "model.hidden_size=64"]))
+    assert check_lora_run(load_config(None, [f"model.path={folder}", "model.hidden_size=32"])) == folder
+
+
+def test_adapter_sync_with_an_engine_that_cannot_load_adapters_is_refused(monkeypatch):
+    from fastgrpo.config import load_config
+    from fastgrpo.rollout import vllm_engine
+    from fastgrpo.trainer.lora_run import check_lora_run
+
+    monkeypatch.setattr(vllm_engine, "vllm_lora_unsupported_reason", lambda model=None: "no LoRA in this vLLM")
+    with pytest.raises(ValueError, match=r"model.lora.sync='adapter'.*no LoRA in this vLLM.*model.lora.sync=merged"):
+        check_lora_run(load_config(None, ["model.lora.rank=2", "rollout.engine=vllm"]))
+    # merged full weights need no LoRA in the engine; the built-in engine shares the module
+    check_lora_run(load_config(None, ["model.lora.rank=2", "model.lora.sync=merged", "rollout.engine=vllm"]))
+    check_lora_run(load_config(None, ["model.lora.rank=2", "rollout.engine=torch"]))
+
+
+def test_sft_then_grpo_trains_the_adapter(cfg_factory, tmp_path):
+    """SFT under LoRA trains the adapter alone too (the cold start and GRPO share the optimizer rule)."""
+    from fastgrpo.trainer.sft import run_sft
+
+    cfg = cfg_factory(*LORA, f"logging.out_dir={tmp_path / 's'}")
+    model, tok = build_model(cfg.model)
+    base0 = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
+    a0 = {k: v.clone() for k, v in lora.adapter_named_tensors(model).items()}
+    run_sft(cfg, model, tok, NoisyTask())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in base0.items())
+    assert any(not torch.equal(v, lora.adapter_named_tensors(model)[k]) for k, v in a0.items())
+
+
+def test_a_damaged_adapter_in_a_checkpoint_is_caught(cfg_factory, tmp_path):
+    from fastgrpo.trainer import checkpoint as ckpt
+
+    t = Trainer(cfg_factory(*LORA, f"logging.out_dir={tmp_path / 'a'}"), task=NoisyTask(), log=_quiet)
+    t.step()
+    first = t.save()
+    t.step()
+    second = t.save()
+    t.close()
+    f = os.path.join(second, "model", "adapter_model.safetensors")
+    data = bytearray(open(f, "rb").read())
+    data[-3] ^= 0xFF
+    open(f, "wb").write(bytes(data))
+    seen = []
+    assert ckpt.latest_checkpoint(str(tmp_path / "a"), log=seen.append) == first
+    assert seen and "adapter_model.safetensors" in seen[0] and "sha256" in seen[0]
