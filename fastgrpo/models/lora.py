@@ -38,6 +38,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 _WARNED: set = set()
 
 
+def require_peft() -> None:
+    """ValueError naming the setting when PEFT (the `lora` extra) is not installed."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ValueError("model.lora: LoRA policies need the peft package; install it with "
+                         "pip install 'fastgrpo[lora]' (or pip install 'peft>=0.13'), or set model.lora.rank=0") from None
+
+
 def warn_once(key: str, msg: str) -> None:
     """One warning per process and `key` (a fast path that steps aside for an adapter)."""
     if key not in _WARNED:
@@ -84,6 +93,7 @@ def target_names(model, lcfg) -> List[str]:
 def attach_lora(model, lcfg, base_ref: str = ""):
     """`model` with a fresh adapter of `lcfg` (PEFT's init: A Kaiming-uniform from the global torch
     RNG, B = 0) on its decoder linears, base weights frozen; returns the same HF model object."""
+    require_peft()
     from peft import LoraConfig, get_peft_model
 
     # a list of leaf names (what vLLM's LoRA loader expects in adapter_config.json); the config
@@ -128,6 +138,7 @@ def adapter_base(path: str) -> str:
 def load_adapter_model(model, path: str, lcfg=None, trainable: bool = True):
     """The base `model` with the adapter of folder `path` loaded (trainable: its weights require
     a gradient). `lcfg.rank`, when set, must be the folder's rank."""
+    require_peft()
     from peft import PeftModel
 
     r = adapter_config(path).get("r")

@@ -129,6 +129,7 @@ def check_lora_run(cfg) -> Optional[str]:
     adapter = path if path and lora.is_adapter_dir(path) else None
     if not m.lora.rank and adapter is None:
         return None
+    lora.require_peft()
     base = tiny_ref(m) if m.path == "tiny" else (lora.adapter_base(adapter) if adapter else path)
     if not is_tiny_ref(base):
         base = resolve_adapter_base(m.path, base) if adapter else base

@@ -17,6 +17,9 @@ from fastgrpo.workers.cluster import worker_resources
 from fastgrpo.workers.rollout_worker import RolloutWorker
 
 
+START_S = 300.0  # seconds a worker may take to start when sync.timeout is shorter
+
+
 class WorkerError(RuntimeError):
     """A rollout worker failed, timed out or could not start (the message names it)."""
 
@@ -76,12 +79,15 @@ class WorkerPool:
         import ray
 
         ref = self.actors[i].ready.options(concurrency_group="sync").remote()
+        # a start loads torch and the model (vLLM: its engine too): minutes on a busy machine
+        limit = max(self.timeout, START_S)
         try:
-            return ray.get(ref, timeout=self.timeout)
+            return ray.get(ref, timeout=limit)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"rollout worker {i} did not start within sync.timeout={self.timeout:g} s (step {step}): "
-                              f"the cluster has {ray.available_resources()} free and it needs "
-                              f"{worker_resources(self.cfg)}; free resources or lower rollout.workers") from None
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise WorkerError(f"rollout worker {i} did not start within {limit:g} s (step {step}): it needs "
+                              f"{worker_resources(self.cfg)} and the cluster has {free} free; if that is enough it is "
+                              "still loading: raise sync.timeout") from None
         except Exception as e:  # noqa: BLE001 — the actor's constructor raised, or it died
             raise WorkerError(f"rollout worker {i} could not start (step {step}): {_first_line(e)}") from None
 

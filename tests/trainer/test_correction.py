@@ -242,3 +242,32 @@ def test_bad_correction_config_names_the_field(override, field):
         load_config(None, [override])
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"config {field}="), msg
+
+
+@pytest.mark.slow
+def test_async_trainer_corrects_with_decoupled_by_default(tmp_path):
+    """rollout.mode=async (Ray local, one built-in-engine worker, η = 1): correction auto is
+    decoupled; every step that updates logs the async/* correction metrics and the first inner
+    step's ratio is 1 (the clip is around π_prox, not around the worker's μ)."""
+    ray = pytest.importorskip("ray")
+    from trainer_helpers import TINY
+
+    from fastgrpo.trainer.async_trainer import AsyncTrainer
+    from fastgrpo.trainer.build import build_model
+
+    cfg = load_config(None, TINY + ["rollout.mode=async", "sync.timeout=60", "cluster.object_store_mb=100",
+                                    "rollout.max_staleness=1", "steps=3", "optimizer.lr=0.05",
+                                    f"logging.out_dir={tmp_path}"])
+    model, tok = build_model(cfg.model)
+    t = AsyncTrainer(cfg, model, tok, NoisyTask(), log=lambda m: None)
+    try:
+        assert t._correction() == "decoupled" and t._off_policy()
+        logs = [t.step() for _ in range(cfg.steps)]
+    finally:
+        t.close()
+        ray.shutdown()
+    updated = [m for m in logs if "loss/ratio_max" in m]
+    assert updated and all(ASYNC_KEYS <= set(m) for m in updated)
+    assert max(m["async/staleness_max"] for m in logs) >= 1
+    for m in updated:
+        assert m["loss/ratio_max"] == pytest.approx(1.0, abs=1e-4) and 0 < m["async/is_ess"] <= 1

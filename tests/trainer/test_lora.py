@@ -165,14 +165,22 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
 
 def test_adapter_of_another_architecture_is_refused(tmp_path):
     from fastgrpo.config import load_config
+    from fastgrpo.models.tiny import save_tiny
     from fastgrpo.trainer.lora_run import check_lora_run
 
     small, _ = build_model(load_config(None, ["model.lora.rank=2", "model.hidden_size=32"]).model)
     folder = str(tmp_path / "ad")
-    lora.save_adapter(small, folder)  # names base "tiny" (hidden 32)
-    with pytest.raises(ValueError, match=r"model.path=.*does not fit its base .tiny. .*against a \[64, "):
-        check_lora_run(load_config(None, [f"model.path={folder}", "model.hidden_size=64"]))
-    assert check_lora_run(load_config(None, [f"model.path={folder}", "model.hidden_size=32"])) == folder
+    lora.save_adapter(small, folder)
+    cfg = json.loads(open(os.path.join(folder, "adapter_config.json")).read())
+    assert cfg["base_model_name_or_path"].startswith("tiny:") and "hidden_size=32" in cfg["base_model_name_or_path"]
+    assert check_lora_run(load_config(None, [f"model.path={folder}"])) == folder  # its own base: fits
+    # the same adapter naming a base of other sizes (a HF folder of a hidden-64 model)
+    wide, tok = build_model(load_config(None, ["model.hidden_size=64"]).model)
+    base = save_tiny(str(tmp_path / "wide"), wide, tok)
+    cfg["base_model_name_or_path"] = base
+    open(os.path.join(folder, "adapter_config.json"), "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model.path=.*does not fit its base .*wide.*against a \[64, "):
+        check_lora_run(load_config(None, [f"model.path={folder}"]))
 
 
 def test_adapter_sync_with_an_engine_that_cannot_load_adapters_is_refused(monkeypatch):
