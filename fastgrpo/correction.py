@@ -23,16 +23,20 @@ off-policy RL training"). `algorithm.correction` picks how the loss treats them:
 - `tis`: token-level truncated importance sampling (Yao et al. 2025; verl's
   `tis_imp_ratio_cap`): the same proximal clip, weight w = min(π_prox/μ, C), nothing removed.
 
-π_prox is scored by the trainer's no-grad `old_logp` pass before the first inner step (also
-when K = 1, where it is otherwise skipped); the weights are constant over the K inner steps and
-reach the loss through the contract's detached `weights` argument (shared/DESIGN.md, "The loss
-contract": ℓ_t = −w_t·obj_t + …), which every backend honours (reference, CPU streaming, fused
-lm_head, Triton, CCE; tests/kernels' oracle cases all carry weights).
+π_prox at K > 1 is scored by the trainer's no-grad `old_logp` pass before the first inner step. At
+K = 1 it is the policy being differentiated, so its detached log-probs are read from the loss
+step's own logits (one no-grad log-softmax pass over logits already computed): the same values
+as a scoring forward (models without dropout), without a second model forward. The
+weights are constant over the K inner steps and reach the loss through the contract's detached
+`weights` argument (shared/DESIGN.md, "The loss contract": ℓ_t = −w_t·obj_t + …), which every
+backend honours (reference, CPU streaming, fused lm_head, Triton, CCE; tests/kernels' oracle
+cases all carry weights).
 
-Defaults and why: `is_cap` C = 2.0, Yao et al.'s truncation for the engine–trainer mismatch (their
-weights sit within a few percent of 1: C = 2 truncates only real outliers, and caps a token's
-gradient at twice its on-policy size). AReaL's async examples cap the behaviour weight at 5, which
-keeps more tokens at η ≥ 4; set `algorithm.is_cap=5` there. `algorithm.correction=auto`
+Defaults and why: `is_cap` C = 2.0, the usual truncation of TIS for the engine–trainer mismatch
+(ms-swift's `rollout_importance_sampling_threshold` default; slime's masked-IS band [0.5, 2]):
+a token's gradient is at most twice its on-policy size. AReaL's async examples cap the behaviour
+weight at 5: a staler buffer (larger η) has more weights far from 1, and a small cap then masks
+more of them; raise `algorithm.is_cap` with η. `algorithm.correction=auto`
 (the default) means `decoupled` under `rollout.mode=async` — AReaL reports naive PPO losing half
 its AIME score at η = 4, and the async schedule is off-policy on every step — and `none` otherwise,
 so colocated runs (on-policy: nothing to correct) and `sync.every > 1` runs keep their figures.
@@ -141,8 +145,15 @@ def apply_correction(batch, kind: str, cap: float) -> Dict[str, float]:
     if batch.old_logp is None or batch.behav_logp is None:
         raise ValueError("apply_correction: the batch needs old_logp (π_prox, scored by the trainer) and "
                          "behav_logp (the engine's sampling log-probs)")
-    w, trunc = behaviour_weights(batch.old_logp, batch.behav_logp, kind, cap, batch.loss_mask)
-    sums = correction_sums(batch.old_logp, batch.behav_logp, w, trunc, batch.loss_mask)
-    w = w.to(torch.float32)
-    batch.weights = w if batch.weights is None else batch.weights * w
+    batch.weights, sums = proximal_weights(batch.old_logp, batch.behav_logp, batch.loss_mask, kind, cap, batch.weights)
     return sums
+
+
+def proximal_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, kind: str, cap: float,
+                     weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """(float32 weights [N] for the loss — the correction's, times `weights` when given —, metric
+    sums) from π_prox and μ log-probs; `kind` tis or decoupled."""
+    w, trunc = behaviour_weights(prox_logp, behav_logp, kind, cap, mask)
+    sums = correction_sums(prox_logp, behav_logp, w, trunc, mask)
+    w = w.to(torch.float32)
+    return (w if weights is None else weights * w), sums

@@ -290,10 +290,28 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
                          "data.eval_split; the built-in task: data.num_heldout)")
     model, tok = build_model(cfg.model)
     engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
-    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout)
+    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log)
     for k, v in out.items():
         log(f"{k}: {v:.4f}")
+    _write_eval_samples(cfg, out, log)
     return out
+
+
+def _write_eval_samples(cfg: TrainConfig, result, log: Log) -> None:
+    """`fastgrpo eval`'s completions in <out>/eval_samples.jsonl (the rows a training run's
+    evaluations write, step 0, tag "eval"), unless logging.samples_every = 0. Appended: an --out
+    that is a training run's folder keeps that run's own evaluation rows."""
+    rows = getattr(result, "samples", None)
+    if not rows or not cfg.logging.samples_every or launcher_env().rank != 0:
+        return
+    from fastgrpo.trainer.samples import SamplesFile
+
+    f = SamplesFile(os.path.join(cfg.logging.out_dir, "eval_samples.jsonl"), log)
+    if f.open(from_step=2 ** 62):  # drops nothing but a torn last line
+        f.write([{"step": 0, "tag": "eval", **r} for r in rows])
+        f.close()
+        if not f.failed:
+            log(f"[fastgrpo] held-out completions: {f.path} ({len(rows)} rows)")
 
 
 def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from fastgrpo.models.lora import effective_weight
+from fastgrpo.models.lora import effective_weight, lora_terms, warn_once
 
 
 def uniforms(gens: List[Optional[torch.Generator]], steps: int, device) -> torch.Tensor:
@@ -74,6 +74,19 @@ def _w(m) -> torch.Tensor:
     """The weight a projection computes with: its own, or W + s·B A under an active LoRA adapter
     (PEFT's wrapper exposes only the base weight: reading `.weight` would sample from the base)."""
     return effective_weight(m) if hasattr(m, "lora_A") else m.weight
+
+
+def _adapter_problem(model) -> Optional[str]:
+    """Why a LoRA adapter of `model` cannot be folded into its projections' weights (DoRA, several
+    adapters, an adapter bias), None when it can or there is none."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if hasattr(p, "lora_A"):
+                why = lora_terms(p, inference=True)[2]
+                if why is not None:
+                    return why
+    return None
 
 
 def _cat_bias(*linears) -> Optional[torch.Tensor]:
@@ -190,6 +203,11 @@ class LeanStepper:
     def supports(model) -> bool:
         cfg = getattr(model, "config", None)
         if type(model).__name__ not in _LEAN_ARCHS or cfg is None:
+            return False
+        why = _adapter_problem(model)
+        if why is not None:  # an adapter the lean / native steps cannot fold into W: the HF module runs
+            warn_once(f"lean-lora-{why}", f"the built-in engine's lean decode steps step aside for a LoRA adapter "
+                      f"with {why}; the HF module (PEFT's layers) decodes instead")
             return False
         rope = getattr(model.model, "rotary_emb", None)
         layer_types = getattr(cfg, "layer_types", None) or ()

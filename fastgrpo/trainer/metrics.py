@@ -91,7 +91,7 @@ class Timers:
         return out
 
 
-def _clean(v):
+def json_value(v):
     """JSON-safe scalar: tensors → float, NaN/Inf → None (json has no NaN)."""
     if hasattr(v, "item"):
         v = v.item()
@@ -100,7 +100,7 @@ def _clean(v):
     if isinstance(v, (int, float)):
         return v if (isinstance(v, int) or math.isfinite(v)) else None
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [json_value(x) for x in v]
     return v
 
 
@@ -149,7 +149,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": int(step), "time": time.time()}
-        row.update({k: _clean(v) for k, v in metrics.items()})
+        row.update({k: json_value(v) for k, v in metrics.items()})
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         if self._tb is not None:
@@ -236,7 +236,7 @@ def read_metrics(path: str) -> List[Dict[str, object]]:
     """Rows of a metrics.jsonl; a torn line (run killed mid-write, disk full) is skipped, and so
     is anything that is not a JSON object with a step (e.g. NUL bytes left by a crash)."""
     rows = []
-    with open(path, errors="replace") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 row = json.loads(line)

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fastgrpo.trainer.metrics import _clean
+from fastgrpo.trainer.metrics import json_value, read_metrics
 
 
 class EvalResult(dict):
@@ -52,16 +52,16 @@ def _version(c):
     if per_token is not None and len(per_token):
         lo, hi = int(min(per_token)), int(max(per_token))
         return lo if lo == hi else [lo, hi]
-    return _clean(getattr(c, "policy_version", None))
+    return json_value(getattr(c, "policy_version", None))
 
 
 def _row(step, p, i, j, c, pick, per_fn, total, adv, zero_std) -> dict:
-    row = {"step": int(step), "prompt_id": _clean(getattr(p, "id", i))}
+    row = {"step": int(step), "prompt_id": json_value(getattr(p, "id", i))}
     if getattr(p, "key", ""):
         row["key"] = p.key
     row.update(group=i, index=j, pick=pick, zero_std=bool(zero_std[i]), prompt=p.prompt, completion=c.text,
-               rewards={name: _clean(float(r[i, j])) for name, r in per_fn.items()},
-               reward=_clean(float(total[i, j])), advantage=_clean(float(adv[i, j])),
+               rewards={name: json_value(float(r[i, j])) for name, r in per_fn.items()},
+               reward=json_value(float(total[i, j])), advantage=json_value(float(adv[i, j])),
                length=len(c.token_ids), finish_reason=c.finish_reason)
     version = _version(c)
     if version is not None:
@@ -96,8 +96,8 @@ def eval_rows(problems: Sequence, groups: Sequence, scores) -> List[dict]:
     rows = []
     for i, (p, grp) in enumerate(zip(problems, groups)):
         for j, c in enumerate(grp):
-            rows.append({"prompt_id": _clean(getattr(p, "id", i)), "sample": j, "prompt": p.prompt, "completion": c.text,
-                         "score": _clean(float(scores[i, j])), "length": len(c.token_ids),
+            rows.append({"prompt_id": json_value(getattr(p, "id", i)), "sample": j, "prompt": p.prompt, "completion": c.text,
+                         "score": json_value(float(scores[i, j])), "length": len(c.token_ids),
                          "finish_reason": getattr(c, "finish_reason", "stop")})
     return rows
 
@@ -213,14 +213,6 @@ class SamplesFile:
 
 
 def read_samples(path: str) -> List[dict]:
-    """Rows of a samples.jsonl / eval_samples.jsonl (a torn or foreign line is skipped)."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
-    return rows
+    """Rows of a samples.jsonl / eval_samples.jsonl (a torn or foreign line is skipped, as in
+    metrics.jsonl, whose reader this is)."""
+    return read_metrics(path)

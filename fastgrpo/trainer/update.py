@@ -1,7 +1,9 @@
 """The update half of a GRPO step (a mixin of `fastgrpo.trainer.grpo.Trainer`): pack the kept
 groups into token-budget micro-batches, score the old / reference log-probs, run the K inner
 updates (packed forward → fused loss → backward → clip → optimizer) and the guards that refuse an
-update (non-finite loss or gradients, a gradient-norm spike, a weight-norm blow-up).
+update (non-finite loss or gradients, a gradient-norm spike, a weight-norm blow-up). Rollouts
+sampled behind the policy (`_off_policy`) carry their sampling log-probs as `behav_logp` and are
+corrected as algorithm.correction says (fastgrpo.correction: π_prox/μ weights, `async/*` metrics).
 
 Split out of grpo.py (house rule: files under ~500 lines) with its behaviour unchanged; the
 methods read and set the trainer's state (`cfg`, `backend`, `timers`, `loss_cfg`, counters).
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from fastgrpo.correction import (add_sums, apply_correction, behaviour_weights, correction_metrics, correction_sums,
-                                 empty_sums, resolve_correction)
+                                 empty_sums, proximal_weights, resolve_correction)
 from fastgrpo.models.lora import adapter_disabled
 from fastgrpo.models.packed import can_share_prefix, packing_attn_coef
 from fastgrpo.packing import build_packed_batches, plan_micro_batches
@@ -102,9 +104,10 @@ class UpdateMixin:
         return logp.float().cpu()
 
     def _old_logp(self, batches):
-        # an off-policy correction needs π_prox (the policy now, before the first update) even at K = 1
+        # an off-policy correction weights by π_prox/μ: at K > 1 π_prox is scored here; at K = 1 it is
+        # the policy being differentiated, read from the loss step's own logits (_loss_fn: no forward)
         corr = self._correction() if getattr(self, "_correction_sums", None) is not None else "none"
-        need_old = self.cfg.algorithm.inner_steps > 1 or corr != "none"
+        need_old = self.cfg.algorithm.inner_steps > 1
         with self.timers.phase("old_logp"):
             model = self.backend.module
             was = model.training
@@ -118,7 +121,7 @@ class UpdateMixin:
                     b.old_logp = self.backend.forward(self._logprobs_of, b)
                 elif need_old:
                     b.old_logp = self._logprobs_of(model, b)
-                if corr != "none" and b.behav_logp is not None:  # detached weights π_prox/μ, truncated
+                if corr != "none" and b.behav_logp is not None and b.old_logp is not None:  # detached, truncated
                     add_sums(self._correction_sums, apply_correction(b, corr, self.cfg.algorithm.is_cap))
                 if self.ref_model is not None:
                     with adapter_disabled(self.ref_model):  # LoRA: the base (PEFT's disable_adapter); else a no-op
@@ -126,12 +129,13 @@ class UpdateMixin:
             model.train(was)
 
     def _loss_fn(self, totals):
-        from fastgrpo.loss import grpo_loss
+        from fastgrpo.loss import grpo_loss, token_logprobs
         from fastgrpo.models.packed import lm_head_logits, packed_forward
 
         cfg = self.cfg
         state = self._update_state
-        naive_stats = getattr(self, "_correction_sums", None) is not None and self._correction() == "none"
+        corr = self._correction() if getattr(self, "_correction_sums", None) is not None else "none"
+        naive_stats = getattr(self, "_correction_sums", None) is not None and corr == "none"
 
         def fn(model, b):
             dev = model.get_input_embeddings().weight.device
@@ -144,8 +148,16 @@ class UpdateMixin:
             logits = lm_head_logits(model, hidden, softcap=False)
             token_mean = self.loss_cfg.loss_agg == "token-mean"
             try:
+                weights = b.weights
+                if corr != "none" and b.behav_logp is not None and b.old_logp is None:
+                    # K = 1: π_prox is this forward's policy; its log-probs come from these logits
+                    prox, _ = token_logprobs(logits.detach(), b.targets, self.loss_cfg.temperature,
+                                             impl=cfg.algorithm.loss_impl, softcap=self.loss_cfg.softcap)
+                    weights, part = proximal_weights(prox, b.behav_logp, b.loss_mask, corr, cfg.algorithm.is_cap,
+                                                     weights)
+                    add_sums(self._correction_sums, part)
                 out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp,
-                                ref_logp=b.ref_logp, weights=b.weights, cu_seqlens=b.loss_cu_seqlens,
+                                ref_logp=b.ref_logp, weights=weights, cu_seqlens=b.loss_cu_seqlens,
                                 config=self.loss_cfg, num_items=totals["tokens"] if token_mean else None,
                                 impl=cfg.algorithm.loss_impl,
                                 return_entropy=True, inplace_backward=True)  # logits are not read again

@@ -48,8 +48,7 @@ class Admitted:
 
 class Orchestrator:
     def __init__(self, cfg, sample: Callable[[int], list], prompt_ids: Callable[[list], List[List[int]]],
-                 problems_by_id: Dict, weights: Callable[[], list], sampling, pool: Optional[WorkerPool] = None,
-                 log=print):
+                 problems_by_id: Dict, weights: Callable[[], list], sampling, pool: WorkerPool, log=print):
         r = cfg.rollout
         self.cfg, self.log = cfg, log
         self.B, self.G, self.eta = r.prompts_per_step, r.group_size, r.max_staleness
@@ -57,7 +56,7 @@ class Orchestrator:
         self.chunk = 1 if self.det else (r.prompts_per_call or max(1, math.ceil(self.B / r.workers)))
         self.sample, self.prompt_ids, self.by_id, self.weights = sample, prompt_ids, problems_by_id, weights
         self.sampling = sampling
-        self.pool = pool if pool is not None else WorkerPool(cfg, log)
+        self.pool = pool
         self.timeout = float(cfg.sync.timeout)
         self.version = 0           # the version of the weights the workers hold (= trainer syncs so far)
         self.admitted = 0          # prompts admitted so far (next admission index)
@@ -126,8 +125,6 @@ class Orchestrator:
             busy = sorted({w for w, _ in self.calls.values()})
             raise WorkerError(f"{', '.join(self.pool.name(w) for w in busy)}: generate at step {step} returned nothing "
                               f"within sync.timeout={self.timeout:g} s; raise sync.timeout if generation is only slow")
-        if not block and ready:  # everything already done, not only the first
-            ready, _ = ray.wait(list(self.calls), num_returns=len(ready), timeout=0)
         for ref in ready:
             if ref not in self.calls:
                 continue  # moved back to the queue by a recovery

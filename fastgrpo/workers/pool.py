@@ -41,8 +41,9 @@ def _first_line(e: BaseException) -> str:
 
 
 class WorkerPool:
-    def __init__(self, cfg, log=print):
+    def __init__(self, cfg, build_engine, log=print):
         self.cfg = cfg
+        self.build_engine = build_engine  # (cfg, prompt_len) -> (engine, kind), run inside each worker
         self.log = log
         self.timeout = float(cfg.sync.timeout)
         self.n = cfg.rollout.workers
@@ -65,7 +66,7 @@ class WorkerPool:
 
         cls = ray.remote(concurrency_groups={"gen": 1, "sync": 2}, max_restarts=0)(RolloutWorker)
         cls = cls.options(**worker_resources(self.cfg))
-        return cls.remote(self.cfg, i, self.prompt_len)
+        return cls.remote(self.cfg, i, self.build_engine, self.prompt_len)
 
     def start(self, step: int = 0) -> None:
         for i in range(self.n):

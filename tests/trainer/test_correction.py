@@ -83,7 +83,7 @@ def test_corrected_loss_and_gradient_match_a_float64_reference(kind, share, impl
     l64 = logits.detach().double().requires_grad_(True)
     ref = _reference(l64, b, kind, 2.0, cfg)
     ref.backward()
-    assert float(out.loss.detach()) == pytest.approx(float(ref), rel=1e-5, abs=1e-7)
+    assert float(out.loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7)
     err = (logits.grad.double() - l64.grad).abs()
     assert float(err.max()) < 1e-6, f"worst token {int(err.max(1).values.argmax())}: {float(err.max())}"
 
@@ -106,7 +106,7 @@ def test_behaviour_equal_to_proximal_changes_nothing():
         out = grpo_loss(logits, b.targets, b.advantages, mask=b.loss_mask, old_logp=b.old_logp, weights=b.weights,
                         cu_seqlens=b.loss_cu_seqlens, config=cfg, impl="torch")
         out.loss.backward()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         grads.append(logits.grad)
     assert losses[1] == losses[0] and losses[2] == losses[0]
     assert torch.equal(grads[1], grads[0]) and torch.equal(grads[2], grads[0])
@@ -179,13 +179,16 @@ def _stale_trainer(cfg_factory, *extra):
     return t, seen
 
 
+@pytest.mark.parametrize("inner", [1, 2])
 @pytest.mark.parametrize("correction", ["none", "tis", "decoupled"])
-def test_trainer_between_syncs_corrects_and_logs(cfg_factory, correction):
+def test_trainer_between_syncs_corrects_and_logs(cfg_factory, correction, inner):
     """sync.every = 2: step 2 trains rollouts of weights one update old. Every correction logs
-    the async/* metrics on that step only; tis / decoupled carry μ as behav_logp, score π_prox as
-    the old log-probs (so the first inner step's ratio is 1: the clip is around π_prox) and
-    weight the tokens by the capped π_prox/μ; none keeps μ as the old log-probs (naive PPO)."""
-    t, seen = _stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5")
+    the async/* metrics on that step only; tis / decoupled carry μ as behav_logp, take π_prox as
+    the old log-probs (scored at K = 2, the live ones at K = 1: the first inner step's ratio is 1,
+    the clip is around π_prox) and weight the tokens by the capped π_prox/μ (stored on the batch
+    at K = 2); none keeps μ as the old log-probs (naive PPO)."""
+    t, seen = _stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5",
+                             f"algorithm.inner_steps={inner}")
     logs = [t.step() for _ in range(3)]
     assert not ASYNC_KEYS & set(logs[0]) and not ASYNC_KEYS & set(logs[2])
     assert ASYNC_KEYS <= set(logs[1]), sorted(logs[1])
@@ -200,6 +203,8 @@ def test_trainer_between_syncs_corrects_and_logs(cfg_factory, correction):
             assert b.behav_logp[lo[s]:lo[s + 1]].tolist() == pytest.approx(completion[key].logprobs, abs=1e-6)
         if correction == "none":
             assert b.weights is None and torch.equal(b.old_logp, b.behav_logp)
+        elif inner == 1:
+            assert b.old_logp is None and b.weights is None  # read from the loss step's logits
         else:
             assert not torch.equal(b.old_logp, b.behav_logp)
             w, _ = behaviour_weights(b.old_logp, b.behav_logp, correction, 1.5, b.loss_mask)
@@ -208,7 +213,7 @@ def test_trainer_between_syncs_corrects_and_logs(cfg_factory, correction):
     if correction == "none":
         assert m["async/is_truncated"] == 0.0
         assert abs(m["loss/ratio_max"] - 1) > 1e-4 or abs(m["loss/ratio_min"] - 1) > 1e-4
-    else:
+    elif inner == 1:  # the logged ratio is the last inner step's: 1 only when there is one
         assert m["loss/ratio_max"] == pytest.approx(1.0, abs=1e-4) and m["loss/ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert all(b.behav_logp is None and b.weights is None for b in seen[0][0] + seen[2][0] if b is not None)
     t.close()
@@ -228,6 +233,52 @@ def test_on_policy_mismatch_correction(cfg_factory):
     assert ASYNC_KEYS <= set(logs)
     assert 0 <= logs["async/mismatch_kl"] < 1e-3 and logs["async/is_ess"] > 0.99
     assert logs["async/is_truncated"] == 0.0
+    t.close()
+
+
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_live_proximal_logprobs_equal_a_scored_pass(cfg_factory, correction):
+    """K = 1: the weights from the loss step's own logits give the same loss and gradient as
+    π_prox scored by the old-log-prob pass (an extra forward) and applied to the batch."""
+    import copy
+    from types import SimpleNamespace
+
+    t, _ = _stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5")
+    model = t.backend.module
+    with torch.no_grad():  # the engine's copy lags the policy: μ ≠ π_prox
+        for p in t.engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    t._engine_stale = True
+    problems = t.curriculum.sample(4)
+    groups = t._rollout(problems)
+    per_fn, total, dropped = t._score(problems, groups)
+    _, adv, keep, _ = t._advantages(problems, per_fn, total, dropped)
+    live = [b for b in t._pack(problems, groups, adv, keep) if b is not None]
+    t._old_logp(live)
+    scored = copy.deepcopy(live)
+    scored_sums = {}
+    for b in scored:
+        b.old_logp = t._logprobs_of(model, b)
+        for k, v in apply_correction(b, correction, 1.5).items():
+            scored_sums[k] = scored_sums.get(k, 0.0) + v
+    totals = {"tokens": float(sum(b.num_loss_tokens for b in live)), "seqs": float(sum(b.num_seqs for b in live))}
+    results = []
+    for batches in (live, scored):
+        t._correction_sums = {k: 0.0 for k in ("n", "w", "w2", "trunc", "kl")}
+        t._update_state = SimpleNamespace(nonfinite=False, tokens=0.0, loss=0.0, sums={}, extremes={}, first=True)
+        model.zero_grad(set_to_none=True)
+        fn = t._loss_fn(totals)
+        loss = sum(fn(model, b) for b in batches)
+        loss.backward()
+        results.append((float(loss.detach()), [p.grad.clone() for p in model.parameters()],
+                        correction_metrics(t._correction_sums)))
+    (l1, g1, m1), (l2, g2, _) = results
+    m2 = correction_metrics(scored_sums)  # the scored path's metrics come from apply_correction
+    assert m1["async/mismatch_kl"] > 1e-4 and m1["async/is_truncated"] > 0, m1
+    assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-7)
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert m1 == pytest.approx(m2, rel=1e-4, abs=1e-6)
     t.close()
 
 

@@ -72,3 +72,30 @@ def test_adapter_named_tensors_are_the_live_adapter_and_small(tmp_path):
     assert all(".lora_A." in k or ".lora_B." in k for k in named)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert lora.adapter_bytes(model) < 0.2 * total
+
+
+def test_an_adapter_the_lean_steps_cannot_fold_falls_back_once(tmp_path):
+    """A DoRA adapter (its magnitude vector: not W + s·B A): the lean / native decode steps step
+    aside with one warning, and the engine samples what PEFT's own layers compute."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from fastgrpo.models.tiny import build_tiny_model
+    from fastgrpo.rollout.decoders import LeanStepper
+
+    model, tok = build_tiny_model("qwen2", seed=2, head_dim=32, num_attention_heads=2)
+    get_peft_model(model, LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "up_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    lora._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="DoRA"):
+        assert not LeanStepper.supports(model)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=6, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        out = TorchEngine(model, tok, decoder="auto").generate(ids, 2, sp)
+    check_engine("dora fallback", model, tok, ids, out, sp)

@@ -168,3 +168,24 @@ def test_evaluation_completions_go_beside_their_accuracy(cfg_factory, tmp_path):
 def test_bad_samples_and_wandb_settings_name_the_field(item, field):
     with pytest.raises(ValueError, match=f"config {field}"):
         load_config(None, [item])
+
+
+def test_fastgrpo_eval_writes_its_completions_and_keeps_existing_rows(cfg_factory, tmp_path):
+    """`fastgrpo eval` (pipeline.run_eval) writes every held-out completion to
+    <out>/eval_samples.jsonl (step 0, tag eval); an --out holding a training run's rows keeps them
+    (appended, never rewritten); samples_every = 0 writes none."""
+    from fastgrpo import pipeline
+
+    path = tmp_path / "eval_samples.jsonl"
+    path.write_text(json.dumps({"step": 7, "tag": "eval", "prompt_id": 1, "completion": "x"}) + "\n")
+    cfg = cfg_factory("logging.samples_every=5")
+    lines = []
+    out = pipeline.run_eval(cfg, log=lines.append, allow_untrained=True)
+    rows = read_samples(str(path))
+    assert rows[0]["step"] == 7 and len(rows) == 1 + len(out.samples) == 1 + cfg.eval.max_problems * cfg.eval.num_samples
+    assert {r["step"] for r in rows[1:]} == {0} and {r["tag"] for r in rows} == {"eval"}
+    assert np.mean([r["score"] for r in rows[1:]]) == pytest.approx(out["eval/accuracy"])
+    assert any(str(path) in m for m in lines), lines
+    off = cfg_factory("logging.samples_every=0", f"logging.out_dir={tmp_path / 'off'}")
+    pipeline.run_eval(off, log=lambda m: None, allow_untrained=True)
+    assert not (tmp_path / "off" / "eval_samples.jsonl").exists()

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
 
 from trainer_helpers import TINY  # noqa: E402
 
-ASYNC = ["rollout.mode=async", "sync.timeout=60", "cluster.object_store_mb=100"]
+ASYNC = ["rollout.mode=async", "sync.timeout=300", "cluster.object_store_mb=100"]
 
 
 def async_cfg(tmp_path, *extra):

@@ -30,10 +30,11 @@ def test_a_member_that_never_joins_times_out_naming_the_group():
 
 @pytest.fixture(scope="module")
 def pool(ray_local, tmp_path_factory):
+    from fastgrpo.trainer.async_trainer import build_worker_engine
     from fastgrpo.workers.pool import WorkerPool
 
     cfg = async_cfg(tmp_path_factory.mktemp("bcast"), "rollout.workers=2", "sync.bucket_mb=1")
-    p = WorkerPool(cfg, log=lambda m: None)
+    p = WorkerPool(cfg, build_worker_engine, log=lambda m: None)
     p.start()
     p.form_group(step=0)
     yield p
@@ -82,11 +83,12 @@ def test_a_corrupted_bucket_is_caught_naming_worker_and_tensor(pool, ray_local):
 def test_a_worker_that_cannot_start_fails_at_start_naming_it(ray_local, tmp_path):
     import dataclasses
 
+    from fastgrpo.trainer.async_trainer import build_worker_engine
     from fastgrpo.workers.pool import WorkerError, WorkerPool
 
     cfg = async_cfg(tmp_path)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(tmp_path / "no-such-model")))
-    pool = WorkerPool(cfg, log=lambda m: None)
+    pool = WorkerPool(cfg, build_worker_engine, log=lambda m: None)
     try:
         with pytest.raises(WorkerError) as e:
             pool.start()
