@@ -1,4 +1,4 @@
-"""`fastgrpo` command line: train | sft | eval | bench | fuse | env.
+"""`fastgrpo` command line: train | sft | eval | bench | fuse | env | export.
 
 Each subcommand builds a `TrainConfig` (the library defaults ← the embedded demo, for the tiny
 demo model ← --config ← --set; the first line printed says what came from where) and calls one
@@ -7,10 +7,11 @@ library function of fastgrpo.pipeline; nothing else happens here (house style ru
     fastgrpo train                                  # the embedded demo, end to end
     fastgrpo train --config run.yaml --set optimizer.lr=1e-4 --out runs/a
     fastgrpo sft --set sft.steps=500
-    fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples); no model.path: refused
+    fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples) with runs/a's settings; no model.path: refused
     fastgrpo bench --set steps=10                   # median seconds per phase, tokens/s
     fastgrpo fuse --set model.path=runs/a           # thinking-mode fusion of a trained run + budget sweep
     fastgrpo env                                    # versions, devices, native builds: paste into a bug report
+    fastgrpo export --merge runs/a merged/          # a LoRA run's adapter merged into its base: a plain HF folder
     fastgrpo train --config rm.yaml                 # with rm_stage.steps > 0: RLVR, then RM-GRPO in <out>/rm_stage
     fastgrpo train --nvtx                           # NVTX range per phase for `nsys profile`
     torchrun --nproc_per_node 2 -m fastgrpo.cli train --set distributed.backend=deepspeed
@@ -109,7 +110,7 @@ def config_from_args(args):
     out = args.out or f"runs/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
     layers = [("library defaults", None)]
     config_path = args.config
-    if not config_path and args.command == "fuse":  # a run folder's own settings (task, rollout, rewards) carry over
+    if not config_path and args.command in ("fuse", "eval"):  # a run folder's own settings (task, rollout, rewards) carry over
         from fastgrpo.trainer.fusion import run_config_path
 
         config_path = run_config_path(args.overrides)

@@ -54,21 +54,25 @@ def malloc_tune() -> bool:
 
 
 def ninja_on_path() -> None:
-    """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` wheel puts it next to the
-    interpreter (a venv's bin/), which is not on PATH when the venv was never activated
-    (`.venv/bin/python -m pytest`). Prepend that folder when PATH has no ninja of its own."""
+    """torch.utils.cpp_extension runs `ninja` from PATH. Put the `ninja` wheel's binary (the
+    project's dependency, in a venv's bin/) first, always: a system ninja of another version
+    found first on some PATHs and not on others (`.venv/bin/python -m pytest` vs an activated
+    venv) reads the other's .ninja_log as changed commands and rebuilds the extensions every time
+    the two alternate (seen: 1.11 in /usr/bin vs the wheel's 1.13, a 2-minute rebuild per run)."""
     import shutil
     import sys
 
-    if shutil.which("ninja"):
-        return
     try:
         import ninja
 
         folder = ninja.BIN_DIR
     except (ImportError, AttributeError):
         folder = os.path.dirname(sys.executable)
-    if os.path.isfile(os.path.join(folder, "ninja")):
+    binary = os.path.join(folder, "ninja")
+    if not os.path.isfile(binary):
+        return  # no wheel ninja: whatever PATH has (torch says so when there is none)
+    found = shutil.which("ninja")
+    if found is None or os.path.realpath(found) != os.path.realpath(binary):
         os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 

@@ -299,8 +299,9 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
 
 def _write_eval_samples(cfg: TrainConfig, result, log: Log) -> None:
     """`fastgrpo eval`'s completions in <out>/eval_samples.jsonl (the rows a training run's
-    evaluations write, step 0, tag "eval"), unless logging.samples_every = 0. Appended: an --out
-    that is a training run's folder keeps that run's own evaluation rows."""
+    evaluations write, step 0, tag "eval", plus the `model` evaluated), unless
+    logging.samples_every = 0. Appended: an --out that is a training run's folder keeps that run's
+    own evaluation rows."""
     rows = getattr(result, "samples", None)
     if not rows or not cfg.logging.samples_every or launcher_env().rank != 0:
         return
@@ -308,7 +309,7 @@ def _write_eval_samples(cfg: TrainConfig, result, log: Log) -> None:
 
     f = SamplesFile(os.path.join(cfg.logging.out_dir, "eval_samples.jsonl"), log)
     if f.open(from_step=2 ** 62):  # drops nothing but a torn last line
-        f.write([{"step": 0, "tag": "eval", **r} for r in rows])
+        f.write([{"step": 0, "tag": "eval", "model": str(cfg.model.path), **r} for r in rows])
         f.close()
         if not f.failed:
             log(f"[fastgrpo] held-out completions: {f.path} ({len(rows)} rows)")

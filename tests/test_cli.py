@@ -99,3 +99,20 @@ def test_eval_without_a_model_path_is_refused(tmp_path, capsys):
     rc, err = _run(capsys, "eval", "--out", str(out))
     assert rc == 2 and "fastgrpo eval: model.path is not set" in err and "--untrained" in err, err
     assert not out.exists()
+
+
+def test_eval_of_a_run_folder_starts_from_that_runs_settings(tmp_path):
+    """`fastgrpo eval --set model.path=<run>` evaluates with the run's own config.yaml (its task,
+    held-out split, rollout and rewards), as `fuse` does: from the library defaults it scored
+    another task, with another completion cap, than the run's own evaluations."""
+    from fastgrpo.config import dump_config
+    from fastgrpo.demo.default import default_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(default_config(["rollout.max_new_tokens=24", "eval.max_problems=7"], out_dir=str(run)),
+                str(run / "config.yaml"))
+    for target in (run, run / "checkpoints" / "step-00000004"):
+        cfg, source, _ = cli.config_from_args(_args("eval", "--set", f"model.path={target}", "--out", str(tmp_path / "e")))
+        assert cfg.rollout.max_new_tokens == 24 and cfg.eval.max_problems == 7 and cfg.model.path == str(target)
+        assert f"the RL run's config {run / 'config.yaml'}" in source and cfg.logging.out_dir == str(tmp_path / "e")

@@ -166,8 +166,11 @@ def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str
             omp = ["-fopenmp"] if openmp else []
             mod = load(name=name, sources=files[:len(_sources(source))], build_directory=folder,
                        extra_cflags=_CFLAGS + omp, extra_ldflags=omp, verbose=False)
+        took = time.monotonic() - t0
         if fresh:
-            _say(f"{what} built in {time.monotonic() - t0:.0f} s")
+            _say(f"{what} built in {took:.0f} s")
+        elif took > 5.0:  # ninja found work in a cached build (its log or a copied source changed)
+            _say(f"{what} rebuilt in {took:.0f} s (its cached build in {folder} was out of date)")
         return mod
     except Exception as e:  # noqa: BLE001 — any build failure means: the Python path
         msg = str(e).strip().splitlines()

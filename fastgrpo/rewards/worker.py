@@ -222,12 +222,46 @@ def call_here(name: str, fn: Callable, *args, **kwargs):
     when a quiet console routes it there (warnings reach the log through logging already)."""
     if not logging.getLogger(OUTPUT_LOGGER).handlers:
         return fn(*args, **kwargs)
-    buf = io.StringIO()
+    buf, console = io.StringIO(), sys.stdout
     try:
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), _signals_to(console):
             return fn(*args, **kwargs)
     finally:
         relay(name, buf.getvalue())
+
+
+@contextlib.contextmanager
+def _signals_to(console):
+    """While a user function's stdout is captured, a SIGINT / SIGTERM handler (the trainer's
+    "stopping after step N", fastgrpo.trainer.runfolder.graceful_signals) still prints to
+    `console`, not into the function's output. A handler that replaces itself (a second
+    signal) is left as it set it."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():  # handlers run in the main thread only
+        yield
+        return
+    wrapped = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if not callable(handler):
+            continue
+
+        def on_signal(signum, frame, handler=handler):
+            captured, sys.stdout = sys.stdout, console
+            try:
+                handler(signum, frame)
+            finally:
+                sys.stdout = captured
+
+        signal.signal(sig, on_signal)
+        wrapped[sig] = (handler, on_signal)
+    try:
+        yield
+    finally:
+        for sig, (handler, on_signal) in wrapped.items():
+            if signal.getsignal(sig) is on_signal:
+                signal.signal(sig, handler)
 
 
 class TimedReward:

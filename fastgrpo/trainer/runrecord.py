@@ -110,7 +110,7 @@ def plan_resume(cfg) -> ResumePlan:
     fixed = [c for c in changes if c[0].startswith(FIXED)]
     if fixed:
         named = ", ".join(f"{k} {o!r} → {n!r}" for k, o, n in fixed)
-        raise ValueError(f"run folder {out}: {named} differ from the run's own settings "
+        raise ValueError(f"run folder {out}: {named} differ{'s' if len(fixed) == 1 else ''} from the run's own settings "
                          f"({os.path.basename(latest)}); its saved model and state cannot continue with "
                          f"{'that' if len(fixed) == 1 else 'those'} — resume with the run's settings, or give the "
                          "new settings another --out folder")

@@ -18,6 +18,7 @@ or batch it landed in (deterministic mode).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time

@@ -226,3 +226,43 @@ def test_what_a_user_reward_prints_reaches_the_run_log(tmp_path, capfd):
     from fastgrpo.trainer.console import LIBRARY_LOGGERS
 
     assert OUTPUT_LOGGER in LIBRARY_LOGGERS
+
+
+def test_a_signal_during_an_in_process_reward_is_announced_on_the_console(tmp_path, capsys):
+    """rewards.timeout=0: the reward runs here with its stdout captured for the run log; a SIGTERM
+    arriving meanwhile still prints the trainer's "stopping after step N" line on the console
+    (it used to end up in log.txt among the reward's output), and the handlers are restored."""
+    import signal
+
+    from fastgrpo.trainer.runfolder import graceful_signals
+
+    path = _module(tmp_path, "signalled_rewards", """
+        import os, signal
+
+        def signalled(completions, **kw):
+            print("reward output")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return [0.0] * len(completions)
+    """)
+    log = tmp_path / "log.txt"
+    handler = logging.FileHandler(log)
+    lg = logging.getLogger(OUTPUT_LOGGER)
+    level = lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    stops = []
+    try:
+        r = build_rewards(_rc(f"{path}:signalled", timeout=0), Task(), 64)
+        with graceful_signals(lambda s: (stops.append(s), print("[fastgrpo] SIGTERM: stopping after step 1"))):
+            installed = signal.getsignal(signal.SIGTERM)
+            call_reward(r[f"{path}:signalled"], RewardInputs(completions=["a"], problems=[P(1)]))
+            assert signal.getsignal(signal.SIGTERM) is installed  # the wrapper is gone after the call
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+        handler.close()
+    assert stops == [signal.SIGTERM]
+    out = capsys.readouterr().out
+    assert "stopping after step 1" in out and "reward output" not in out, out
+    text = log.read_text()
+    assert "reward output" in text and "stopping after step" not in text, text

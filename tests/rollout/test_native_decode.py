@@ -255,3 +255,24 @@ def test_native_prefill_equals_the_hf_forward(arch, heads, kv, head_dim):
                    fp32_tol(depth, r))
         torch.set_num_threads(2)  # no native step: the caller runs the HF forward
         assert LeanStepper.native_prefill(model, ids, mask, 6) is None
+
+
+def test_the_wheels_ninja_goes_before_a_system_ninja_on_path(monkeypatch, tmp_path):
+    """A system ninja of another version first on PATH would share the build folders with the
+    wheel's and each would rebuild what the other built (different .ninja_log formats): the wheel's
+    binary is put first."""
+    import shutil
+
+    import ninja
+
+    from fastgrpo import env
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    fake = other / "ninja"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(other))
+    assert shutil.which("ninja") == str(fake)
+    env.ninja_on_path()
+    assert os.path.realpath(shutil.which("ninja")) == os.path.realpath(os.path.join(ninja.BIN_DIR, "ninja"))

@@ -322,3 +322,19 @@ def test_a_signal_during_the_final_save_stops_as_it_said(cfg_factory, monkeypatc
     assert e.value.step == 1 and e.value.checkpoint.endswith("step-00000001")
     assert any("stopping after step 1 " in m for m in logs), logs
     assert not any("held-out accuracy:" in m for m in logs), "the run went on after saying it stops"
+
+
+def test_a_refused_resume_names_one_changed_field_in_the_singular(cfg_factory):
+    """The line a user sees when one shape field differs (`--set model.hidden_size=96` on a run):
+    "model.hidden_size 64 → 96 differs …", "differ" for several."""
+    from fastgrpo.config import dump_config
+    from fastgrpo.trainer.runrecord import plan_resume
+
+    first = cfg_factory("model.hidden_size=32")
+    out = first.logging.out_dir
+    dump_config(first, os.path.join(out, "config.yaml"))
+    os.makedirs(os.path.join(out, "sft", "model"))  # saved state a resume would continue from
+    with pytest.raises(ValueError, match=r"model.hidden_size 32 → 64 differs from the run's own settings "
+                                         r"\(config.yaml\); its saved model and state cannot continue with that"):
+        plan_resume(cfg_factory("model.hidden_size=64"))
+    assert open(os.path.join(out, "config.yaml")).read()  # untouched

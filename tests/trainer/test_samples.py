@@ -184,6 +184,7 @@ def test_fastgrpo_eval_writes_its_completions_and_keeps_existing_rows(cfg_factor
     rows = read_samples(str(path))
     assert rows[0]["step"] == 7 and len(rows) == 1 + len(out.samples) == 1 + cfg.eval.max_problems * cfg.eval.num_samples
     assert {r["step"] for r in rows[1:]} == {0} and {r["tag"] for r in rows} == {"eval"}
+    assert {r["model"] for r in rows[1:]} == {cfg.model.path} and "model" not in rows[0]
     assert np.mean([r["score"] for r in rows[1:]]) == pytest.approx(out["eval/accuracy"])
     assert any(str(path) in m for m in lines), lines
     off = cfg_factory("logging.samples_every=0", f"logging.out_dir={tmp_path / 'off'}")
