@@ -53,7 +53,7 @@ from fastgrpo import env
 from fastgrpo.native.train_ops import ops_module
 
 from fastgrpo.models import onednn as cpu_gemm
-from fastgrpo.models.fused_lora import _base_linear, _cols, _lora_args, _lora_bwd, _lora_fwd, _terms
+from fastgrpo.models.fused_lora import base_linear, lora_columns, lora_args, lora_backward, lora_forward, group_terms
 from fastgrpo.models.lora import warn_once
 from fastgrpo.models.packed import PACKED_CALL, PAD_KWARG, PREFIX_KWARG, VARLEN_ATTN, tensor_version
 
@@ -154,9 +154,9 @@ class _DecoderLayerFn(torch.autograd.Function):
             bqkv = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv))])
         qkv = _gemm(h1, wqkv, bqkv, dnn)
         sc = spec.lora
-        qkv_cols = _cols(spec.split)
+        qkv_cols = lora_columns(spec.split)
         if sc is not None:
-            _lora_fwd(qkv, h1, _terms(lw, sc, 0, 3), qkv_cols)
+            lora_forward(qkv, h1, group_terms(lw, sc, 0, 3), qkv_cols)
         pre = hr = None
         if wqn is not None:  # Qwen3: each q and k head RMS-normed before RoPE
             pre, hr = ops.head_rmsnorm_(qkv, wqn, wkn, spec.nq, spec.nk, spec.d, spec.eps_h)
@@ -164,16 +164,16 @@ class _DecoderLayerFn(torch.autograd.Function):
         o, lse = ops.attn_fwd(qkv, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
         x2 = _gemm(o, wo, bo.contiguous() if bo is not None else None, dnn).add_(x)
         if sc is not None:
-            _lora_fwd(x2, o, _terms(lw, sc, 3, 4), ((0, x2.shape[1]),))
+            lora_forward(x2, o, group_terms(lw, sc, 3, 4), ((0, x2.shape[1]),))
         h2, r2 = ops.rmsnorm_fwd(x2, w_post, spec.eps2)
         wgu = torch.cat([wg, wu])
         gu = _gemm(h2, wgu, None, dnn)
         if sc is not None:
-            _lora_fwd(gu, h2, _terms(lw, sc, 4, 6), _cols((wg.shape[0], wu.shape[0])))
+            lora_forward(gu, h2, group_terms(lw, sc, 4, 6), lora_columns((wg.shape[0], wu.shape[0])))
         act = ops.silu_mul_fwd(gu)
         y = _gemm(act, wd, None, dnn).add_(x2)
         if sc is not None:
-            _lora_fwd(y, act, _terms(lw, sc, 6, 7), ((0, y.shape[1]),))
+            lora_forward(y, act, group_terms(lw, sc, 6, 7), ((0, y.shape[1]),))
         if spec.grad:  # (no-grad forwards, old / reference log-probs, keep nothing)
             # the normed inputs are read again only by the weight gradients, as their transposes
             h1, h2 = ops.transpose(h1), ops.transpose(h2)
@@ -200,13 +200,13 @@ class _DecoderLayerFn(torch.autograd.Function):
             g[16] = _gemm(gy.t(), act.t(), None, dnn)
         dact = _gemm(gy, wd.t(), None, dnn)
         if sc is not None:  # the adapters' gradients (A, B) and their share of each input gradient
-            _lora_bwd(gy, act, _terms(lw, sc, 6, 7), ((0, gy.shape[1]),), dact, g, 19 + 12)
+            lora_backward(gy, act, group_terms(lw, sc, 6, 7), ((0, gy.shape[1]),), dact, g, 19 + 12)
         dgu = ops.silu_mul_bwd(dact, gu)
         if need[14] or need[15]:
             g[14], g[15] = _wgrad(h2, dgu, dnn).split(wgu.shape[0] // 2)
         dh2 = _gemm(dgu, wgu.t(), None, dnn)
         if sc is not None:
-            _lora_bwd(dgu, h2.t(), _terms(lw, sc, 4, 6), _cols((wg.shape[0], wu.shape[0])), dh2, g, 19 + 8)
+            lora_backward(dgu, h2.t(), group_terms(lw, sc, 4, 6), lora_columns((wg.shape[0], wu.shape[0])), dh2, g, 19 + 8)
         dx2, g[13] = ops.rmsnorm_bwd(dh2, x2, w_post, r2, gy)
         if need[11]:
             g[11] = _wgrad(ops.transpose(o), dx2, dnn)
@@ -214,7 +214,7 @@ class _DecoderLayerFn(torch.autograd.Function):
             g[12] = dx2.sum(0)
         do = _gemm(dx2, wo.t(), None, dnn)
         if sc is not None:
-            _lora_bwd(dx2, o, _terms(lw, sc, 3, 4), ((0, dx2.shape[1]),), do, g, 19 + 6)
+            lora_backward(dx2, o, group_terms(lw, sc, 3, 4), ((0, dx2.shape[1]),), do, g, 19 + 6)
         dqkv = ops.attn_bwd(do, qkv, o, lse, spec.seg, spec.nq, spec.nk, spec.d, spec.scale)
         ops.rope_(dqkv, cos, sin, spec.nq + spec.nk, spec.d, True)
         if wqn is not None:
@@ -228,7 +228,7 @@ class _DecoderLayerFn(torch.autograd.Function):
                     g[8 + i] = gb[i]
         dh1 = _gemm(dqkv, wqkv.t(), None, dnn)
         if sc is not None:
-            _lora_bwd(dqkv, h1.t(), _terms(lw, sc, 0, 3), _cols(spec.split), dh1, g, 19)
+            lora_backward(dqkv, h1.t(), group_terms(lw, sc, 0, 3), lora_columns(spec.split), dh1, g, 19)
         g[0], g[4] = ops.rmsnorm_bwd(dh1, x, w_in, r1, dx2)
         return tuple(g)
 
@@ -301,8 +301,8 @@ def _same_parts(layer) -> bool:
     (a wrapper other than PEFT's LoRA exposing its base layer's `weight`, another activation, a
     module with hooks) has a forward that the fused path would skip. A PEFT LoRA wrapper put
     around a checked linear (before or after the swap) is taken: the adapter is computed here."""
-    now = tuple(_base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(_parts(layer)))
-    was = tuple(_base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(layer._fastgrpo_parts))
+    now = tuple(base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(_parts(layer)))
+    was = tuple(base_linear(m) if 2 <= i < 9 else m for i, m in enumerate(layer._fastgrpo_parts))
     return (all(a is b for a, b in zip(now, was))
             and all(type(m) in _LINEARS for m in now[2:9]) and type(now[9]) is layer._fastgrpo_act)
 
@@ -342,7 +342,7 @@ class FusedDecoderLayer:
                 # one eps for both head norms in the kernel: checked at the swap, and again here
                 and (params[13] is None or at.q_norm.variance_epsilon == at.k_norm.variance_epsilon)
                 and not _lora_hooked(self)):
-            scales, lw, why = _lora_args(_parts(self)[2:9])
+            scales, lw, why = lora_args(_parts(self)[2:9])
             if why is not None:  # an adapter this kernel cannot compute: PEFT's own layers run
                 warn_once(f"fused-lora-{why}", f"the fused CPU decoder layers step aside for a LoRA adapter with {why}; "
                           "the model's own layers (PEFT's) run instead")
@@ -421,7 +421,7 @@ def _layer_ok(layer) -> bool:
         return False
     linears = [getattr(at, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    linears = [_base_linear(m) for m in linears]  # a PEFT LoRA wrapper: its adapter is computed in the layer
+    linears = [base_linear(m) for m in linears]  # a PEFT LoRA wrapper: its adapter is computed in the layer
     if not all(type(m) in _LINEARS for m in linears):
         return False
     if any(m.bias is not None for m in linears[4:]):  # MLP biases: not this kernel's

@@ -15,7 +15,7 @@ import torch
 from fastgrpo.models.lora import lora_terms
 
 
-def _lora_fwd(out: torch.Tensor, x: torch.Tensor, terms, cols) -> None:
+def lora_forward(out: torch.Tensor, x: torch.Tensor, terms, cols) -> None:
     """out[:, c0:c1] += s·(x Aᵀ) Bᵀ for each adapter (A [r, K], B [N, r], s) of a projection group
     whose outputs sit in columns `cols` of `out`: two small GEMMs each (r ≪ K, N)."""
     for t, (c0, c1) in zip(terms, cols):
@@ -24,8 +24,8 @@ def _lora_fwd(out: torch.Tensor, x: torch.Tensor, terms, cols) -> None:
             out[:, c0:c1].addmm_(torch.mm(x, a.t()), b.t(), alpha=scale)
 
 
-def _lora_bwd(g: torch.Tensor, x: torch.Tensor, terms, cols, dx: torch.Tensor, grads: list, at: int) -> None:
-    """Backward of `_lora_fwd` given the group's output gradient g [T, N]: dx += Σ s·(g_j B) A and
+def lora_backward(g: torch.Tensor, x: torch.Tensor, terms, cols, dx: torch.Tensor, grads: list, at: int) -> None:
+    """Backward of `lora_forward` given the group's output gradient g [T, N]: dx += Σ s·(g_j B) A and
     grads[at + 2j], grads[at + 2j + 1] = the gradients of A_j and B_j (the base weight gets none)."""
     for j, (t, (c0, c1)) in enumerate(zip(terms, cols)):
         if t is None:
@@ -38,12 +38,12 @@ def _lora_bwd(g: torch.Tensor, x: torch.Tensor, terms, cols, dx: torch.Tensor, g
         dx.addmm_(v, a)
 
 
-def _terms(lw, scales, lo: int, hi: int):
+def group_terms(lw, scales, lo: int, hi: int):
     """The (A, B, scale) of projections lo..hi-1 (q k v o gate up down) from the flat A / B args."""
     return tuple(None if scales[i] is None else (lw[2 * i], lw[2 * i + 1], scales[i]) for i in range(lo, hi))
 
 
-def _cols(widths) -> tuple:
+def lora_columns(widths) -> tuple:
     """(start, end) column spans of consecutive blocks of these widths."""
     out, at = [], 0
     for w in widths:
@@ -52,13 +52,13 @@ def _cols(widths) -> tuple:
     return tuple(out)
 
 
-def _base_linear(m):
+def base_linear(m):
     """The linear a projection computes with: itself, or the base layer of a PEFT LoRA wrapper
-    (whose adapter the fused path adds itself, `_lora_args`)."""
+    (whose adapter the fused path adds itself, `lora_args`)."""
     return m.base_layer if hasattr(m, "lora_A") and hasattr(m, "base_layer") else m
 
 
-def _lora_args(mods):
+def lora_args(mods):
     """(scales, flat A / B list) of a layer's seven projections `mods` (q k v o gate up down) for
     `_DecoderLayerFn` (scales None: no adapter on), or a reason the fused path cannot take an
     adapter here."""

