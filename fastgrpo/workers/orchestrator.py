@@ -48,7 +48,7 @@ class Admitted:
 
 class Orchestrator:
     def __init__(self, cfg, sample: Callable[[int], list], prompt_ids: Callable[[list], List[List[int]]],
-                 problems_by_id: Dict, weights: Callable[[], list], sampling, pool: WorkerPool, log=print):
+                 problems_by_id: Dict, weights: Callable[..., list], sampling, pool: WorkerPool, log=print):
         r = cfg.rollout
         self.cfg, self.log = cfg, log
         self.B, self.G, self.eta = r.prompts_per_step, r.group_size, r.max_staleness
@@ -210,8 +210,8 @@ class Orchestrator:
             t0 = time.perf_counter()
             version = self.version + 1
             try:
-                if changed:
-                    self.pool.broadcast(self.weights(), version, step)
+                if changed:  # full=False: a LoRA policy sends its adapter alone (the workers hold the base)
+                    self.pool.broadcast(self.weights(full=False), version, step)
                 else:
                     self.pool.set_version(version, step)
             except WorkerDied as e:
@@ -231,7 +231,7 @@ class Orchestrator:
                "async/buffer": float(sum(1 for it in self.items.values() if it.groups is not None)),
                "async/inflight": float(sum(1 for it in self.items.values() if it.groups is None)),
                "async/version": float(self.version), "async/worker_restarts": float(self.pool.restarts),
-               "async/admitted": float(self.admitted)}
+               "async/admitted": float(self.admitted), "async/sync_mb": self.pool.last_bytes / 1e6}
         self._idle_seen = idle
         self.wait_trainer = 0.0
         return out

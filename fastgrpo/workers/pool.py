@@ -52,6 +52,7 @@ class WorkerPool:
         self.engines: List[Optional[str]] = [None] * self.n  # torch | vllm, as each worker reported
         self.group: Optional[bc.BroadcastGroup] = None
         self.restarts = 0
+        self.last_bytes = 0  # bytes of the last broadcast (async/sync_mb)
         self.bucket_bytes = int(cfg.sync.bucket_mb) << 20
         self._plan_key = None
         self._plan = None
@@ -192,6 +193,7 @@ class WorkerPool:
             if dead:
                 raise WorkerDied(dead[0], f"{self.name(dead[0])} died during the {what}") from None
             raise WorkerError(f"{e} (workers {[self.name(i) for i in range(self.n)]})") from None
+        self.last_bytes = sum(t.numel() * t.element_size() for _, t in named)
         expected = bc.checksums(named)  # while the workers compute theirs
         results = self.get(refs, range(self.n), what, step)
         for i, (got_version, sums) in enumerate(results):

@@ -27,6 +27,12 @@ from typing import Dict, List, Optional
 import torch
 
 
+def _is_lora(module) -> bool:
+    from fastgrpo.models import lora
+
+    return lora.is_lora(module)
+
+
 def _pin_threads(n: int) -> None:
     """This (the gen) thread on `n` intra-op threads. OpenMP's thread count is per OS thread: the
     count __init__ set holds for Ray's main thread only, and the gen thread starts from
@@ -118,7 +124,10 @@ class RolloutWorker:
         if staged is None:
             return
         version, named, sums = staged
-        if named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
+        module = self.engine.model if self.kind == "torch" else getattr(self.engine, "lora_module", None)
+        if named is not None and module is not None and _is_lora(module):
+            self._load_lora(module, named, sums, version)
+        elif named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
             self.engine.update_weights(list(named.items()))
         elif named is not None:
             copy_weights(self.engine.model, named.items())
@@ -127,6 +136,36 @@ class RolloutWorker:
             verify({n: sums[n] for n in loaded}, loaded, f"rollout worker {self.index} (after loading)",
                    version, version)
         self.version = version
+
+    def _load_lora(self, module, named: Dict, sums: Dict, version: int) -> None:
+        """A LoRA policy: the broadcast lands in the worker's own LoRA module — every parameter
+        (the first broadcast to this worker, a restart, a resume) or the adapter alone (every
+        other sync) — and is verified there; a vLLM engine then gets the adapter as its next
+        versioned folder (lora.sync=adapter) or the merged weights (merged). Under adapter, vLLM
+        serves the base this worker loaded itself, so a full broadcast first checks that base
+        against the trainer's (a different base would be an adapter on the wrong weights)."""
+        from fastgrpo.sync.broadcast import checksums, verify
+
+        params = dict(module.named_parameters())
+        unknown = sorted(set(named) - set(params))
+        if unknown:
+            raise ValueError(f"rollout worker {self.index}: the broadcast of version {version} holds {unknown[:3]}, "
+                             f"not parameters of its LoRA model (e.g. {sorted(params)[:3]})")
+        full = len(named) == len(params)
+        if not full and any(".lora_" not in n for n in named):
+            raise ValueError(f"rollout worker {self.index}: a partial broadcast of version {version} holds base "
+                             "weights; expected every parameter or the adapter alone")
+        if full and self.kind == "vllm" and self.engine.lora_sync == "adapter":
+            base = [n for n in named if ".lora_" not in n]
+            verify({n: sums[n] for n in base}, checksums((n, params[n]) for n in base),
+                   f"rollout worker {self.index} (its vLLM base against the trainer's base)", version, version)
+        with torch.no_grad():
+            for n, t in named.items():
+                params[n].copy_(t)
+        loaded = checksums((n, params[n]) for n in named)
+        verify({n: sums[n] for n in loaded}, loaded, f"rollout worker {self.index} (after loading)", version, version)
+        if self.kind == "vllm":
+            self.engine.update_weights(module)
 
     def generate(self, call_id: int, prompt_ids: List[List[int]], n: int, sampling,
                  seeds: Optional[List[int]] = None) -> Dict:

@@ -9,7 +9,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "trainer")]
 
-from conftest import async_cfg  # noqa: E402
+from async_helpers import async_cfg  # noqa: E402
 from trainer_helpers import NoisyTask  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastgrpo.sync import broadcast as bc
-from conftest import async_cfg
+from async_helpers import async_cfg
 
 
 def test_checksum_is_exact_and_catches_one_flipped_element():
