@@ -198,8 +198,8 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
         elif task.heldout:
             ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
             trainer.metrics.log(0, ev)
-            before = ev["eval/accuracy"]
-            log(f"[fastgrpo] held-out accuracy before RL ({start}): {before:.3f}")
+            before = ev.get("eval/accuracy")  # None: no verifier among the rewards (eval/reward/* instead)
+            log(f"[fastgrpo] held-out accuracy before RL ({start}): {_acc(before)}")
         bar = _progress(cfg.steps, trainer.step_num, "grpo", cfg.logging.progress and trainer.rank == 0)
 
         def on_step(step, m):
@@ -233,10 +233,10 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
             trainer.sync_engine()
             ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
             trainer.metrics.log(trainer.step_num, ev)
-            summary["accuracy_after"] = ev["eval/accuracy"]
+            summary["accuracy_after"] = ev.get("eval/accuracy")
             summary["accuracy_before"] = before
-            log(f"[fastgrpo] held-out accuracy: {before if before is None else round(before, 3)} "
-                f"({'resumed run' if resume_path else start}) → {ev['eval/accuracy']:.3f} after {trainer.step_num} GRPO steps")
+            log(f"[fastgrpo] held-out accuracy: {_acc(before)} ({'resumed run' if resume_path else start}) → "
+                f"{_acc(ev.get('eval/accuracy'))} after {trainer.step_num} GRPO steps")
         if cfg.fusion.enabled and trainer.rank == 0:  # thinking-mode fusion of the RL model (fastgrpo/trainer/fusion.py)
             from fastgrpo.trainer.fusion import fusion_stage
 
@@ -270,8 +270,13 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     if task.heldout:
         engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
         out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout)
-        log(f"[fastgrpo] held-out accuracy after SFT: {out['eval/accuracy']:.3f}")
+        log(f"[fastgrpo] held-out accuracy after SFT: {_acc(out.get('eval/accuracy'))}")
     return out
+
+
+def _acc(value: Optional[float]) -> str:
+    """A held-out accuracy for the log: None where no reward is a verifier (eval/reward/* are logged)."""
+    return "n/a (no verifier among the rewards: see eval/reward/* in metrics.jsonl)" if value is None else f"{value:.3f}"
 
 
 def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) -> Dict[str, float]:

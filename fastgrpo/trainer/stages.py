@@ -239,7 +239,7 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
         elif evals is not None:
             ev = evaluate(trainer.engine, task.heldout, evals, cfg.eval, cfg.rollout)
             trainer.metrics.log(0, ev)
-            res["rm_stage/accuracy_before"] = ev["eval/accuracy"]
+            res["rm_stage/accuracy_before"] = ev.get("eval/accuracy")
         bar = None
         if cfg.logging.progress and trainer.rank == 0:
             from tqdm.auto import tqdm
@@ -253,7 +253,7 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
             trainer.sync_engine()
             ev = evaluate(trainer.engine, task.heldout, evals, cfg.eval, cfg.rollout)
             trainer.metrics.log(trainer.step_num, ev)
-            res["rm_stage/accuracy_after"] = ev["eval/accuracy"]
+            res["rm_stage/accuracy_after"] = ev.get("eval/accuracy")
         res.update({"rm_stage/steps": trainer.step_num, "rm_stage/wall_s": time.perf_counter() - t0})
     finally:
         trainer.close()

@@ -85,6 +85,21 @@ def test_a_task_without_verifier_evaluates_what_it_can_and_says_so_once():
     assert len(said) == 1 and "no verifier" in said[0] and "eval/reward/<name>" in said[0]
 
 
+def test_a_run_whose_task_has_no_verifier_trains_and_logs_no_accuracy(tmp_path, monkeypatch):
+    """The pipeline around `evaluate`: before, during and after RL it logs what it has, never a
+    KeyError on the missing eval/accuracy."""
+    from fastgrpo.trainer import evaluation
+
+    monkeypatch.setattr(evaluation, "_verifier", lambda reward_fns: None)  # a task without answers to check
+    out = str(tmp_path / "run")
+    said = []
+    cfg = load_config(None, BASE + [f"logging.out_dir={out}", "rewards.functions=[format]", "rewards.weights=[1.0]"])
+    summary = run_train(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert summary["steps"] == 1 and summary["accuracy_after"] is None and summary["accuracy_before"] is None
+    assert any("held-out accuracy: n/a (no verifier" in m for m in said), said
+    assert [r["step"] for r in _rows(out) if "eval/reward/format" in r] == [0, 1]
+
+
 def test_the_held_out_accuracy_is_the_tasks_when_the_run_trains_on_other_rewards():
     rewards = build_rewards(RewardsConfig(functions=["format"], weights=[1.0]), NoisyTask(), 16)
     assert "accuracy" not in rewards and rewards.verifier is not None
