@@ -239,6 +239,7 @@ class SyncConfig:
     every: int = 1  # push trainer weights to the rollout engine every N steps
     timeout: float = 300.0  # async: seconds any weight broadcast, worker RPC or wait for a worker may take before the run stops naming it
     bucket_mb: int = 256  # async: broadcast bucket size in MiB (two buckets in flight)
+    overlap: bool = True  # async: the broadcast runs while the trainer computes the next step (its optimizer step waits for it); false: the trainer waits at each sync
 
 
 @dataclass

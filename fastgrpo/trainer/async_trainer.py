@@ -143,6 +143,10 @@ class AsyncTrainer(Trainer):
         with self._full_weights():
             return [(n, p.detach()) for n, p in module.named_parameters()]
 
+    def _before_weights_change(self) -> None:
+        if self.orchestrator is not None:  # the last sync's broadcast reads these weights: let it finish
+            self.orchestrator.join(self.step_num)
+
     def _off_policy(self) -> bool:
         return True  # every rollout comes from a worker's copy of the weights, up to η versions old
 

@@ -80,6 +80,10 @@ class UpdateMixin:
             batches += [None] * sum(1 for b in plan if not b)
         return batches
 
+    def _before_weights_change(self) -> None:
+        """Called right before the optimizer step changes the weights. AsyncTrainer: waits for a
+        weight broadcast still reading them (sync.overlap)."""
+
     def _off_policy(self) -> bool:
         """Whether this step's rollouts were sampled by a behaviour policy behind the policy: the
         engine holds older weights (sync.every > 1, between syncs). AsyncTrainer: always."""
@@ -221,6 +225,7 @@ class UpdateMixin:
                     self.backend.discard_gradients()  # under ZeRO the reduced grads live in DeepSpeed's buffers
                 else:
                     before = self._weight_norm() if self.cfg.guard.max_weight_growth else None
+                    self._before_weights_change()
                     logs["train/grad_norm"] = self.backend.step(accept=self._grad_guard)
                     # finite gradients whose global norm overflowed (or spiked): step() refused them
                     bad = bool(getattr(self.backend, "last_step_skipped", False))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -73,6 +74,13 @@ class Orchestrator:
         self.sync_s = 0.0
         self._syncing = False
         self.started = False
+        # sync.overlap: the broadcast of a sync runs on this thread while the trainer goes on; the
+        # trainer joins it before its weights change again (join()). Deterministic mode keeps the
+        # broadcast in line (its swaps are fixed points of the schedule).
+        self.overlap = bool(cfg.sync.overlap) and not self.det
+        self._bcast = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgrpo-broadcast") if self.overlap else None
+        self._inflight = None  # (version, step, future) of the broadcast in flight
+        self.sync_wait = 0.0  # seconds the trainer waited in join() (cumulative, reset by metrics())
 
     # ------------------------------------------------------------------ start / stop
     def start(self, step: int = 0) -> None:
@@ -82,7 +90,50 @@ class Orchestrator:
         self.started = True
 
     def close(self) -> None:
-        self.pool.close()
+        try:
+            self._drain()
+        finally:
+            if self._bcast is not None:
+                self._bcast.shutdown(wait=False)
+            self.pool.close()
+
+    # ------------------------------------------------------------------ the broadcast in flight
+    def join(self, step: int) -> None:
+        """Wait for the broadcast the last sync started (sync.overlap): the trainer calls this
+        before its weights change again. A worker that died in it is recovered (the weights are
+        still that version's); any other failure (verification, timeout) raises here."""
+        if self._inflight is None:
+            return
+        version, _, fut = self._inflight
+        t0 = time.perf_counter()
+        try:
+            err = fut.result()  # pool.broadcast bounds every wait by sync.timeout
+        finally:
+            self._inflight = None
+            waited = time.perf_counter() - t0
+            self.sync_wait += waited
+            self.sync_s += waited
+        if isinstance(err, WorkerDied):
+            self._recover(err.index, step)
+        elif err is not None:
+            raise err
+
+    def _drain(self) -> None:
+        """Wait for a broadcast in flight and drop its outcome (a recovery re-broadcasts anyway)."""
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight[2], None
+            fut.result()
+
+    def _broadcast_later(self, named, version: int, step: int) -> None:
+        def run():
+            try:
+                self.pool.broadcast(named, version, step)
+                return None
+            except BaseException as e:  # handed to join(), in the trainer's thread
+                return e
+
+        self.pool.last_bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self._inflight = (version, step, self._bcast.submit(run))
 
     # ------------------------------------------------------------------ admission and dispatch
     def limit(self, demand: int = 0) -> int:
@@ -106,7 +157,10 @@ class Orchestrator:
             ids = self.prompt_ids([self.items[i].problem for i in idxs])
             seeds = [self.items[i].seed for i in idxs] if self.det else None
             self._call_seq += 1
-            ref = self.pool.submit(w, self._call_seq, ids, self.G, self.sampling, seeds)
+            # the worker starts it on weights at least as new as its admission's (an overlapped
+            # broadcast of that version may still be on its way)
+            newest = max(self.items[i].admit_version for i in idxs)
+            ref = self.pool.submit(w, self._call_seq, ids, self.G, self.sampling, seeds, newest)
             self.calls[ref] = (w, idxs)
             self.outstanding[w] += len(idxs)
 
@@ -149,6 +203,7 @@ class Orchestrator:
         self.queue.sort()
         self.outstanding[w] = 0
         self._idle[w] = 0.0
+        self._drain()  # a broadcast in flight on the old group ends (it fails on the dead member)
         self.pool.restart(w, step)
         self.pool.form_group(step)
         # inside a sync the trainer's weights are already the next version's
@@ -207,10 +262,13 @@ class Orchestrator:
             if self.det:  # logical clock: every call admitted under this version finishes under it
                 while self.calls:
                     self._collect(step, block=True)
+            self.join(step)  # the previous sync's broadcast, if it is still in flight
             t0 = time.perf_counter()
             version = self.version + 1
             try:
-                if changed:  # full=False: a LoRA policy sends its adapter alone (the workers hold the base)
+                if changed and self.overlap:  # sent while the trainer computes the next step
+                    self._broadcast_later(self.weights(full=False), version, step)
+                elif changed:  # full=False: a LoRA policy sends its adapter alone (the workers hold the base)
                     self.pool.broadcast(self.weights(full=False), version, step)
                 else:
                     self.pool.set_version(version, step)
@@ -231,7 +289,9 @@ class Orchestrator:
                "async/buffer": float(sum(1 for it in self.items.values() if it.groups is not None)),
                "async/inflight": float(sum(1 for it in self.items.values() if it.groups is None)),
                "async/version": float(self.version), "async/worker_restarts": float(self.pool.restarts),
-               "async/admitted": float(self.admitted), "async/sync_mb": self.pool.last_bytes / 1e6}
+               "async/admitted": float(self.admitted), "async/sync_mb": self.pool.last_bytes / 1e6,
+               "async/sync_wait": self.sync_wait}
+        self.sync_wait = 0.0
         self._idle_seen = idle
         self.wait_trainer = 0.0
         return out
@@ -249,6 +309,7 @@ class Orchestrator:
     def load_state_dict(self, state: Dict, step: int) -> None:
         """Restore the buffer and the unreturned prompts (resubmitted at the next take) and
         broadcast the trainer's weights (the checkpoint's) as the saved version."""
+        self._drain()
         for ref in list(self.calls):
             del self.calls[ref]
         self.outstanding = [0] * self.pool.n

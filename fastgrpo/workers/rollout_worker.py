@@ -64,6 +64,7 @@ class RolloutWorker:
         self.version = -1  # no weights of the trainer yet
         self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # notified when a version is staged
         self._group = None
         self._faults: Dict[str, int] = {}
         self._idle_s = 0.0
@@ -91,6 +92,7 @@ class RolloutWorker:
         sums = checksums(named.items())
         with self._lock:
             self._staged = (version, named, sums)
+            self._arrived.notify_all()
         return version, sums
 
     def set_version(self, version: int) -> int:
@@ -100,6 +102,7 @@ class RolloutWorker:
                 self._staged = (version,) + self._staged[1:]
             else:
                 self._staged = (version, None, None)
+            self._arrived.notify_all()
         return version
 
     def inject_fault(self, kind: str, arg: int = 0) -> None:
@@ -167,15 +170,29 @@ class RolloutWorker:
         if self.kind == "vllm":
             self.engine.update_weights(module)
 
+    def _await_version(self, version: int) -> None:
+        """Block this (the gen) thread until weights of `version` or newer are staged: a call
+        admitted under a version whose broadcast is still in flight (sync.overlap) starts on it."""
+        timeout = float(self.cfg.sync.timeout)
+        with self._lock:
+            ok = self._arrived.wait_for(lambda: self._staged is not None and self._staged[0] >= version, timeout)
+        if not ok:
+            raise RuntimeError(f"rollout worker {self.index}: weights version {version} did not arrive within "
+                               f"sync.timeout={timeout:g} s (it holds version {self.version})")
+
     def generate(self, call_id: int, prompt_ids: List[List[int]], n: int, sampling,
-                 seeds: Optional[List[int]] = None) -> Dict:
-        """G = `n` completions for each prompt under the newest staged weights. `seeds`: one per
-        prompt (deterministic mode), else the worker's own RNG stream."""
+                 seeds: Optional[List[int]] = None, min_version: int = 0) -> Dict:
+        """G = `n` completions for each prompt under the newest staged weights, at least version
+        `min_version` (the version the prompts were admitted under). `seeds`: one per prompt
+        (deterministic mode), else the worker's own RNG stream."""
         start = time.perf_counter()
         if self._last_end is not None:
             self._idle_s += start - self._last_end
         _pin_threads(self.cfg.rollout.worker_threads)
         self._load_staged()
+        if self.version < min_version:
+            self._await_version(min_version)
+            self._load_staged()
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")
         if seeds is None:

@@ -125,20 +125,28 @@ def test_deterministic_mode_reproduces_metrics_and_weights(ray_local, tmp_path):
         assert torch.equal(wa[n], wb[n]), n
 
 
-def test_a_sync_that_fails_verification_stops_the_run_naming_worker_and_step(ray_local, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sync_that_fails_verification_stops_the_run_naming_worker_and_step(ray_local, tmp_path, overlap):
+    """In line (sync.overlap=false) the sync of step 2 fails at once; overlapped, the trainer learns
+    of it at its next optimizer step, which is then never applied (the weights stay step 2's)."""
     from fastgrpo.trainer.update import TrainingStopped
 
-    cfg = async_cfg(tmp_path, "steps=3")
+    cfg = async_cfg(tmp_path, "steps=3", f"sync.overlap={str(overlap).lower()}")
     tr = _trainer(cfg)
     try:
         tr.step()
         ray_local.get(tr.orchestrator.pool.actors[0].inject_fault.remote("corrupt_bucket", 0), timeout=60)
+        if overlap:
+            tr.step()  # its broadcast is corrupted in flight
+            before = {n: p.detach().clone() for n, p in tr.backend.module.named_parameters()}
         with pytest.raises(TrainingStopped) as e:
             tr.step()
+        if overlap:
+            assert all(torch.equal(p, before[n]) for n, p in tr.backend.module.named_parameters())
     finally:
         tr.close()
     msg = str(e.value)
-    assert msg.startswith("stopped at step 2: rollout worker 0 (pid ") and "at step 2: tensor 'model." in msg
+    assert msg.startswith(f"stopped at step {3 if overlap else 2}: rollout worker 0 (pid ") and "at step 2: tensor 'model." in msg
     assert "\n" not in msg
 
 
