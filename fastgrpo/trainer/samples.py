@@ -194,12 +194,7 @@ class SamplesFile:
 
     def _fail(self, e: OSError) -> None:
         self.failed = True
-        if self._f is not None:
-            try:
-                self._f.close()
-            except OSError:
-                pass
-            self._f = None
+        self.close()
         self.log(f"[fastgrpo] warning: cannot write {self.path} ({type(e).__name__}: {e}); the run goes on without "
                  "it (metrics.jsonl stays the record; free the disk or fix the folder's permissions to get samples)")
 

@@ -3,7 +3,6 @@ from the config reach the reward, a user's module:function in TRL's signature or
 (completions, answers) one, the Kimi gate's state, and every bad entry failing at load."""
 import sys
 import textwrap
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -12,22 +11,7 @@ from fastgrpo.config import RewardsConfig, load_config
 from fastgrpo.rewards.combine import score_groups
 from fastgrpo.rewards.registry import RewardInputs, build_rewards, call_reward
 
-
-@dataclass(frozen=True)
-class P:
-    id: int
-    prompt: str
-    answer: str
-    tests: str = None
-    key: str = ""
-    row: dict = field(default_factory=dict, hash=False, compare=False)
-
-
-class Task:
-    name = "toy"
-
-    def reward_fns(self):
-        return {"accuracy": lambda completions, answers: [float(a in c) for c, a in zip(completions, answers)]}
+from reward_helpers import P, Task
 
 
 def _inputs(texts, problems, lengths=None, G=None):

@@ -9,7 +9,6 @@ import logging
 import os
 import textwrap
 import threading
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,21 +21,7 @@ from fastgrpo.rewards.faults import RewardFaults, check_score
 from fastgrpo.rewards.registry import RewardInputs, build_rewards, call_reward
 from fastgrpo.rewards.worker import OUTPUT_LOGGER, RewardTimeout, TimedReward, user_pool
 
-
-@dataclass(frozen=True)
-class P:
-    id: int
-    prompt: str = "q"
-    answer: str = "1"
-    key: str = ""
-    row: dict = field(default_factory=dict, hash=False, compare=False)
-
-
-class Task:
-    name = "toy"
-
-    def reward_fns(self):
-        return {"accuracy": lambda completions, answers: [float(a in c) for c, a in zip(completions, answers)]}
+from reward_helpers import P, Task
 
 
 def _rc(*names, **kw):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import NoisyTask
+from trainer_helpers import NoisyTask, stale_trainer
 
 from fastgrpo.config import load_config
 from fastgrpo.correction import (apply_correction, behaviour_weights, correction_metrics, correction_sums,
@@ -159,24 +159,6 @@ def test_auto_is_decoupled_on_the_async_schedule_only():
 
 
 # ------------------------------------------------------------------ the trainer
-def _stale_trainer(cfg_factory, *extra):
-    from fastgrpo.rollout.torch_engine import TorchEngine
-    from fastgrpo.trainer.build import build_model
-    from fastgrpo.trainer.grpo import Trainer
-
-    cfg = cfg_factory("steps=3", "sync.every=2", "optimizer.lr=0.05", *extra)
-    model, tok = build_model(cfg.model)
-    t = Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
-    seen = []
-    pack = t._pack
-
-    def capture(problems, groups, adv, keep):
-        out = pack(problems, groups, adv, keep)
-        seen.append((out, problems, groups))
-        return out
-
-    t._pack = capture
-    return t, seen
 
 
 @pytest.mark.parametrize("inner", [1, 2])
@@ -187,7 +169,7 @@ def test_trainer_between_syncs_corrects_and_logs(cfg_factory, correction, inner)
     the old log-probs (scored at K = 2, the live ones at K = 1: the first inner step's ratio is 1,
     the clip is around π_prox) and weight the tokens by the capped π_prox/μ (stored on the batch
     at K = 2); none keeps μ as the old log-probs (naive PPO)."""
-    t, seen = _stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5",
+    t, seen = stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5",
                              f"algorithm.inner_steps={inner}")
     logs = [t.step() for _ in range(3)]
     assert not ASYNC_KEYS & set(logs[0]) and not ASYNC_KEYS & set(logs[2])
@@ -243,7 +225,7 @@ def test_live_proximal_logprobs_equal_a_scored_pass(cfg_factory, correction):
     import copy
     from types import SimpleNamespace
 
-    t, _ = _stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5")
+    t, _ = stale_trainer(cfg_factory, f"algorithm.correction={correction}", "algorithm.is_cap=1.5")
     model = t.backend.module
     with torch.no_grad():  # the engine's copy lags the policy: μ ≠ π_prox
         for p in t.engine.model.parameters():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from trainer_helpers import NoisyTask
+from trainer_helpers import NoisyTask, stale_trainer
 
 from fastgrpo.trainer.metrics import nvtx_range, set_nvtx
 from fastgrpo.pipeline import run_train
@@ -183,21 +183,7 @@ def test_engine_behind_the_policy_supplies_the_old_logprobs(cfg_factory):
     policy (ratio 1, no old log-probs); step 2 samples from weights one update old, so the packed
     batch carries the rollout's own sampling log-probs as old log-probs and the importance ratio
     moves off 1; step 3 (after the step-2 sync) is on-policy again."""
-    from fastgrpo.trainer.build import build_model
-    from fastgrpo.rollout.torch_engine import TorchEngine
-
-    cfg = cfg_factory("steps=3", "sync.every=2", "optimizer.lr=0.05")
-    model, tok = build_model(cfg.model)
-    t = Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
-    seen = []
-    pack = t._pack
-
-    def capture(problems, groups, adv, keep):
-        out = pack(problems, groups, adv, keep)
-        seen.append((out, problems, groups))
-        return out
-
-    t._pack = capture
+    t, seen = stale_trainer(cfg_factory)
     logs = [t.step() for _ in range(3)]
     for step, (batches, problems, groups) in enumerate(seen, start=1):
         real = [b for b in batches if b is not None]

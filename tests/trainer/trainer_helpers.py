@@ -42,3 +42,25 @@ class NoisyTask(ArithmeticTask):
             return [0.5] * len(completions)
 
         return {"accuracy": acc, "format": fmt}
+
+
+def stale_trainer(cfg_factory, *extra):
+    """A Trainer whose engine syncs every 2 steps (its rollouts off-policy in between), large lr;
+    returns it and the list each step's packed batches (with problems and groups) are appended to."""
+    from fastgrpo.rollout.torch_engine import TorchEngine
+    from fastgrpo.trainer.build import build_model
+    from fastgrpo.trainer.grpo import Trainer
+
+    cfg = cfg_factory("steps=3", "sync.every=2", "optimizer.lr=0.05", *extra)
+    model, tok = build_model(cfg.model)
+    t = Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
+    seen = []
+    pack = t._pack
+
+    def capture(problems, groups, adv, keep):
+        out = pack(problems, groups, adv, keep)
+        seen.append((out, problems, groups))
+        return out
+
+    t._pack = capture
+    return t, seen
