@@ -135,6 +135,7 @@ def test_a_sync_that_fails_verification_stops_the_run_naming_worker_and_step(ray
     tr = _trainer(cfg)
     try:
         tr.step()
+        tr.orchestrator.join(tr.step_num)  # step 1's broadcast is in (overlapped, it may still be in flight)
         ray_local.get(tr.orchestrator.pool.actors[0].inject_fault.remote("corrupt_bucket", 0), timeout=60)
         if overlap:
             tr.step()  # its broadcast is corrupted in flight
