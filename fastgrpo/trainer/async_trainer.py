@@ -141,7 +141,10 @@ class AsyncTrainer(Trainer):
         if not full and lora.is_lora(module):
             return [(n, p.detach()) for n, p in module.named_parameters() if ".lora_" in n]
         with self._full_weights():
-            return [(n, p.detach()) for n, p in module.named_parameters()]
+            # ZeRO-3's gathered weights are released when the context ends, and the broadcast reads
+            # them after it (and, with sync.overlap, during the next step): a copy then
+            copy = self._zero3()
+            return [(n, p.detach().clone() if copy else p.detach()) for n, p in module.named_parameters()]
 
     def _before_weights_change(self) -> None:
         if self.orchestrator is not None:  # the last sync's broadcast reads these weights: let it finish
