@@ -53,7 +53,8 @@ from fastgrpo import env
 from fastgrpo.native.train_ops import ops_module
 
 from fastgrpo.models import onednn as cpu_gemm
-from fastgrpo.models.fused_lora import base_linear, lora_columns, lora_args, lora_backward, lora_forward, group_terms
+from fastgrpo.models.fused_lora import (base_linear, group_terms, lora_args, lora_backward, lora_columns, lora_forward,
+                                        lora_modules)
 from fastgrpo.models.lora import warn_once
 from fastgrpo.models.packed import PACKED_CALL, PAD_KWARG, PREFIX_KWARG, VARLEN_ATTN, tensor_version
 
@@ -307,15 +308,6 @@ def _same_parts(layer) -> bool:
             and all(type(m) in _LINEARS for m in now[2:9]) and type(now[9]) is layer._fastgrpo_act)
 
 
-def _lora_hooked(layer) -> bool:
-    """Hooks on a PEFT wrapper or its adapter modules (which the fused path does not call)."""
-    extra = []
-    for m in _parts(layer)[2:9]:
-        if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
-            extra += [m, m.base_layer, *m.lora_A.values(), *m.lora_B.values()]
-    return bool(extra) and _hooked(extra)
-
-
 def _params_ok(params) -> bool:
     # ZeRO-3 partitions (0-element, gathered by hooks the fused path would skip), other dtypes
     return all(p is None or (p.dtype == torch.float32 and p.device.type == "cpu" and not hasattr(p, "ds_id")
@@ -341,7 +333,7 @@ class FusedDecoderLayer:
                 and _same_parts(self) and not _hooked(self._fastgrpo_parts) and _params_ok(params)
                 # one eps for both head norms in the kernel: checked at the swap, and again here
                 and (params[13] is None or at.q_norm.variance_epsilon == at.k_norm.variance_epsilon)
-                and not _lora_hooked(self)):
+                and not _hooked(lora_modules(_parts(self)[2:9]))):  # hooks on a PEFT wrapper or its adapters
             scales, lw, why = lora_args(_parts(self)[2:9])
             if why is not None:  # an adapter this kernel cannot compute: PEFT's own layers run
                 warn_once(f"fused-lora-{why}", f"the fused CPU decoder layers step aside for a LoRA adapter with {why}; "

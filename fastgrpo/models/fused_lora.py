@@ -58,6 +58,16 @@ def base_linear(m):
     return m.base_layer if hasattr(m, "lora_A") and hasattr(m, "base_layer") else m
 
 
+def lora_modules(mods) -> list:
+    """The PEFT wrappers among projections `mods` with their base layers and adapter modules: what
+    the fused path computes without calling (a hook on any of them would be skipped)."""
+    out = []
+    for m in mods:
+        if hasattr(m, "lora_A") and hasattr(m, "base_layer"):
+            out += [m, m.base_layer, *m.lora_A.values(), *m.lora_B.values()]
+    return out
+
+
 def lora_args(mods):
     """(scales, flat A / B list) of a layer's seven projections `mods` (q k v o gate up down) for
     `_DecoderLayerFn` (scales None: no adapter on), or a reason the fused path cannot take an

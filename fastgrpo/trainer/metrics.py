@@ -8,7 +8,7 @@ torch.cuda.nvtx is used on GPU machines. Metrics rows go to `metrics.jsonl` (one
 line, flushed per row so that a killed run keeps every finished step), to TensorBoard through
 torch.utils.tensorboard when tensorboard is importable, and to PNG plots drawn at the end with
 matplotlib's Agg backend (no display needed). A run killed mid-row or stopped by a full disk can
-leave a torn last line; opening the file again ends that line first (`_end_torn_line`), so the
+leave a torn last line; opening the file again ends that line first (`end_torn_line`), so the
 resumed run's first row starts a line of its own instead of being glued onto the fragment (and
 lost with it: `read_metrics` skips lines that do not parse). The same logger is the run's one
 fan-out for what the model wrote (fastgrpo/trainer/samples.py: `log_rollouts` → samples.jsonl, an
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from typing import Dict, Iterable, List, Optional
 
 from fastgrpo import env
+from fastgrpo.trainer.jsonl import end_torn_line, json_value, read_metrics  # noqa: F401  (re-exported)
 
 _NVTX_FORCED: Optional[bool] = None
 
@@ -91,19 +91,6 @@ class Timers:
         return out
 
 
-def json_value(v):
-    """JSON-safe scalar: tensors → float, NaN/Inf → None (json has no NaN)."""
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)):
-        return v if (isinstance(v, int) or math.isfinite(v)) else None
-    if isinstance(v, (list, tuple)):
-        return [json_value(x) for x in v]
-    return v
-
-
 class MetricsLogger:
     """metrics.jsonl (+ TensorBoard events, + samples when `samples_every` > 0, + W&B when
     `wandb.mode` is not disabled) in `out_dir`. Only rank 0 writes."""
@@ -120,7 +107,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        _end_torn_line(self.path)
+        end_torn_line(self.path)
         self._f = open(self.path, "a")
         if tensorboard:
             try:
@@ -214,37 +201,6 @@ class MetricsLogger:
                 f.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def _end_torn_line(path: str) -> None:
-    """Terminate a last line without its newline (a row cut by a kill or a full disk): the
-    fragment stays in the file, as a line `read_metrics` skips, and new rows start clean."""
-    try:
-        with open(path, "rb+") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-    except FileNotFoundError:
-        pass
-
-
-def read_metrics(path: str) -> List[Dict[str, object]]:
-    """Rows of a metrics.jsonl; a torn line (run killed mid-write, disk full) is skipped, and so
-    is anything that is not a JSON object with a step (e.g. NUL bytes left by a crash)."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
-    return rows
 
 
 # (file name, title, metric keys drawn on it)

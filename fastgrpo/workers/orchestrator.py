@@ -79,7 +79,7 @@ class Orchestrator:
         # broadcast in line (its swaps are fixed points of the schedule).
         self.overlap = bool(cfg.sync.overlap) and not self.det
         self._bcast = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgrpo-broadcast") if self.overlap else None
-        self._inflight = None  # (version, step, future) of the broadcast in flight
+        self._inflight = None  # the future of the broadcast in flight
         self.sync_wait = 0.0  # seconds the trainer waited in join() (cumulative, reset by metrics())
 
     # ------------------------------------------------------------------ start / stop
@@ -104,10 +104,9 @@ class Orchestrator:
         still that version's); any other failure (verification, timeout) raises here."""
         if self._inflight is None:
             return
-        version, _, fut = self._inflight
         t0 = time.perf_counter()
         try:
-            err = fut.result()  # pool.broadcast bounds every wait by sync.timeout
+            err = self._inflight.result()  # pool.broadcast bounds every wait by sync.timeout
         finally:
             self._inflight = None
             waited = time.perf_counter() - t0
@@ -121,7 +120,7 @@ class Orchestrator:
     def _drain(self) -> None:
         """Wait for a broadcast in flight and drop its outcome (a recovery re-broadcasts anyway)."""
         if self._inflight is not None:
-            fut, self._inflight = self._inflight[2], None
+            fut, self._inflight = self._inflight, None
             fut.result()
 
     def _broadcast_later(self, named, version: int, step: int) -> None:
@@ -132,8 +131,8 @@ class Orchestrator:
             except BaseException as e:  # handed to join(), in the trainer's thread
                 return e
 
-        self.pool.last_bytes = sum(t.numel() * t.element_size() for _, t in named)
-        self._inflight = (version, step, self._bcast.submit(run))
+        self.pool.note_bytes(named)  # now, not when the thread gets to it: async/sync_mb of this step
+        self._inflight = self._bcast.submit(run)
 
     # ------------------------------------------------------------------ admission and dispatch
     def limit(self, demand: int = 0) -> int:

@@ -193,12 +193,16 @@ class WorkerPool:
             if dead:
                 raise WorkerDied(dead[0], f"{self.name(dead[0])} died during the {what}") from None
             raise WorkerError(f"{e} (workers {[self.name(i) for i in range(self.n)]})") from None
-        self.last_bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.note_bytes(named)
         expected = bc.checksums(named)  # while the workers compute theirs
         results = self.get(refs, range(self.n), what, step)
         for i, (got_version, sums) in enumerate(results):
             bc.verify(expected, sums, f"{self.name(i)} at step {step}", version, got_version)
         return time.perf_counter() - t0
+
+    def note_bytes(self, named) -> None:
+        """The payload of a broadcast, for async/sync_mb."""
+        self.last_bytes = sum(t.numel() * t.element_size() for _, t in named)
 
     def set_version(self, version: int, step: int) -> None:
         refs = [a.set_version.options(concurrency_group="sync").remote(version) for a in self.actors]

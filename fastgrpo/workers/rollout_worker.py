@@ -26,11 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-
-def _is_lora(module) -> bool:
-    from fastgrpo.models import lora
-
-    return lora.is_lora(module)
+from fastgrpo.models import lora
 
 
 def _pin_threads(n: int) -> None:
@@ -128,7 +124,7 @@ class RolloutWorker:
             return
         version, named, sums = staged
         module = self.engine.model if self.kind == "torch" else getattr(self.engine, "lora_module", None)
-        if named is not None and module is not None and _is_lora(module):
+        if named is not None and module is not None and lora.is_lora(module):
             self._load_lora(module, named, sums, version)
         elif named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
             self.engine.update_weights(list(named.items()))
