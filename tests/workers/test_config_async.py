@@ -27,7 +27,8 @@ def test_async_defaults_load_and_colocated_stays_the_default():
 @pytest.mark.parametrize("extra, field", [
     (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     (["rollout.sleep_between_steps=true"], "rollout.sleep_between_steps"),
-    (["rollout.inflight=keep"], "rollout.inflight"),
+    (["rollout.inflight=keep"], "rollout.inflight"),  # engine auto: vLLM where it serves the model
+    (["rollout.inflight=abort", "rollout.engine=vllm"], "rollout.inflight"),
     (["rollout.inflight=bogus"], "rollout.inflight"),
     (["rollout.workers=64"], "rollout.workers"),
     (["rollout.workers=0"], "rollout.workers"),
@@ -41,6 +42,12 @@ def test_bad_async_options_name_the_field(extra, field):
         load_config(None, ["rollout.mode=async"] + extra)
     msg = str(e.value)
     assert msg.startswith(f"config {field}=") and "\n" not in msg
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_inflight_keep_and_abort_load_with_the_builtin_engine(mode):
+    cfg = load_config(None, ["rollout.mode=async", f"rollout.inflight={mode}", "rollout.engine=torch"])
+    assert cfg.rollout.inflight == mode
 
 
 def test_unreachable_cluster_address_is_refused_at_load():

@@ -59,3 +59,71 @@ def test_a_version_that_never_arrives_stops_the_call_naming_the_worker(tmp_path)
     with pytest.raises(RuntimeError, match=r"rollout worker 0: weights version 4 did not arrive within "
                                            r"sync.timeout=0.05 s \(it holds version 3\)"):
         w.generate(1, [[1, 2]], 2, SamplingConfig(), min_version=4)
+
+
+def _real_worker(tmp_path, mode):
+    """A plain RolloutWorker on the built-in engine (the tiny model) holding version 0 = `w0`."""
+    from fastgrpo.sync.broadcast import checksums
+    from fastgrpo.trainer.async_trainer import build_worker_engine
+    from fastgrpo.workers.rollout_worker import RolloutWorker
+
+    cfg = async_cfg(tmp_path, f"rollout.inflight={mode}", "rollout.max_new_tokens=12")
+    w = RolloutWorker(cfg, 0, build_worker_engine)
+    g = torch.Generator().manual_seed(0)
+    w0 = {n: torch.randn(p.shape, generator=g) * 0.5 for n, p in w.engine.model.named_parameters()}
+    w._stage(0, w0, checksums(w0.items()))
+    return w, w0
+
+
+def _stage_at_poll(w, k, version, named, sums):
+    """Stage `named` as the sync thread would, just before the engine's poll number `k`."""
+    hook, polls = w.engine.inflight, [0]
+    real = hook.poll
+
+    def poll():
+        polls[0] += 1
+        if polls[0] == k:
+            w._stage(version, named, sums)
+        return real()
+
+    hook.poll = poll
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_weights_staged_during_a_call_load_between_decode_steps(tmp_path, mode):
+    from fastgrpo.rollout.base import SamplingConfig
+    from fastgrpo.sync.broadcast import checksums
+
+    w, w0 = _real_worker(tmp_path, mode)
+    w1 = {n: t + 0.3 for n, t in w0.items()}
+    _stage_at_poll(w, 3, 1, w1, checksums(w1.items()))
+    out = w.generate(1, [[3, 4, 5], [6, 7]], 4, SamplingConfig(temperature=1.0, max_new_tokens=12), min_version=0)
+    comps = [c for g in out["groups"] for c in g]
+    assert all(c.policy_version == 0 for c in comps)  # the version of each completion's first token
+    long = [c for c in comps if len(c.token_ids) > 3]
+    assert long and all(c.token_versions[:3] == [0, 0, 0] and set(c.token_versions[3:]) == {1} for c in long)
+    assert w.version == 1 and w.stats()["swaps"] == 1
+    params = dict(w.engine.model.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in w1.items())  # loaded, and verified by checksum
+
+
+def test_a_corrupted_tensor_loaded_mid_call_stops_the_call_naming_worker_and_tensor(tmp_path):
+    from fastgrpo.rollout.base import SamplingConfig
+    from fastgrpo.sync.broadcast import SyncVerificationError, checksums
+
+    w, w0 = _real_worker(tmp_path, "keep")
+    w1 = {n: t + 0.3 for n, t in w0.items()}
+    sums = checksums(w1.items())
+    name = sorted(w1)[1]
+    sums[name] += 1  # the trainer's checksum of one tensor differs from what arrived
+    _stage_at_poll(w, 2, 1, w1, sums)
+    with pytest.raises(SyncVerificationError, match=rf"rollout worker 0 \(after loading\): tensor '{name}' of version 1"):
+        w.generate(1, [[3, 4, 5]], 4, SamplingConfig(temperature=1.0, max_new_tokens=12), min_version=0)
+
+
+def test_inflight_keep_needs_the_builtin_engine(tmp_path):
+    from fastgrpo.workers.rollout_worker import RolloutWorker
+
+    cfg = async_cfg(tmp_path, "rollout.inflight=keep")
+    with pytest.raises(RuntimeError, match="rollout worker 2: rollout.inflight=keep needs the built-in engine"):
+        RolloutWorker(cfg, 2, lambda c, p: (_Engine(), "vllm"))

@@ -1,0 +1,137 @@
+"""Weights that change in the middle of a generate call (rollout.inflight=keep | abort, the async
+rollout workers' in-flight updates) on the built-in engine, every decoder path: the tokens
+sampled after the swap carry the new version, and every log-prob is the one of the policy that
+really sampled it, checked against float64 —
+
+- abort: the rows are re-prefilled (prompt + tokens so far) under the new weights, so a token
+  after the swap is the new model's, teacher-forced;
+- keep: the cached keys / values of the tokens before the swap stay (the old model's), the later
+  positions run the new weights: the oracle runs the old float64 model over the prefix and the
+  new one over the rest on top of its cache.
+
+The two oracles differ by far more than the tolerance (checked), so a keep that re-prefills, an
+abort that keeps the old cache, or a swap that never reaches the decode steps fails here."""
+import copy
+
+import pytest
+import torch
+
+from fastgrpo.models.tiny import build_tiny_model
+from fastgrpo.rollout import SamplingConfig
+from fastgrpo.rollout.torch_engine import TorchEngine
+from rollout_oracle import check_fp32, decode_depth, fp32_tol
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SWAP_AT = 3  # the poll after token 3: tokens 0..3 sampled by version 0, the rest by version 1
+
+
+def _models(seed=0):
+    a, tok = build_tiny_model("llama", seed=seed, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=96)
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return a.eval(), b.eval(), tok
+
+
+class _Hook:
+    """Loads `new` into the engine's model in place at poll number `at` (version 0 → 1)."""
+
+    def __init__(self, engine, new, mode, at=SWAP_AT):
+        self.engine, self.new, self.mode, self.at = engine, new, mode, at
+        self.version, self.polls = 0, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.polls - 1 != self.at:
+            return None
+        with torch.no_grad():
+            src = dict(self.new.named_parameters())
+            for n, p in self.engine.model.named_parameters():
+                p.copy_(src[n])
+        self.version = 1
+        return 1
+
+
+def _logits(model, prompt, toks, k, mode, old):
+    """[len(toks), V] logits predicting each token of `toks` as sampled with a swap after token k
+    (model = the new weights, `old` the old ones)."""
+    ids = torch.tensor([list(prompt) + list(toks)])
+    P = len(prompt)
+    with torch.no_grad():
+        z_old = old(input_ids=ids).logits[0, P - 1:-1]
+        if len(toks) <= k + 1:
+            return z_old
+        if mode == "abort":
+            z_new = model(input_ids=ids).logits[0, P - 1:-1]
+        else:  # keep: the old model's cache for prompt + toks[:k], the new model from token k on
+            head = old(input_ids=ids[:, :P + k], use_cache=True)
+            z_tail = model(input_ids=ids[:, P + k:-1], past_key_values=head.past_key_values).logits[0]
+            z_new = torch.cat([z_old[:k + 1], z_tail])
+    return torch.cat([z_old[:k + 1], z_new[k + 1:]])
+
+
+@pytest.mark.parametrize("decoder", ["auto", "lean", "hf"])
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_swap_mid_call_samples_from_the_policy_that_tagged_each_token(decoder, mode):
+    a, b, tok = _models()
+    a64, b64 = copy.deepcopy(a).double(), copy.deepcopy(b).double()
+    eng = TorchEngine(a, tok, copy_model=True, decoder=decoder, num_threads=1)
+    eng.inflight = hook = _Hook(eng, b, mode)
+    prompts = [[5, 9, 13, 2, 7], [3, 4], [11, 12, 13, 14, 15, 16, 17]]  # unequal: left padding
+    groups = eng.generate(prompts, n=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3))
+    assert hook.version == 1 and hook.polls > SWAP_AT
+    got, ref, truth, labels, other = [], [], [], [], []
+    tol = 0.0
+    swapped = 0
+    for i, g in enumerate(groups):
+        for j, c in enumerate(g):
+            n = len(c.token_ids)
+            assert c.token_versions == [0] * min(n, SWAP_AT + 1) + [1] * max(0, n - SWAP_AT - 1)
+            swapped += n > SWAP_AT + 1
+            z64 = _logits(b64, prompts[i], c.token_ids, SWAP_AT, mode, a64).double()
+            z32 = _logits(b, prompts[i], c.token_ids, SWAP_AT, mode, a).double()
+            zo = _logits(b64, prompts[i], c.token_ids, SWAP_AT, "abort" if mode == "keep" else "keep", a64).double()
+            tol = max(tol, 2 * fp32_tol(decode_depth(a.config, len(prompts[i]) + n), z64) + 2 ** -24 * z64.shape[-1])
+            for t, y in enumerate(c.token_ids):
+                got.append(c.logprobs[t])
+                ref.append(float(z32[t].log_softmax(-1)[y]))
+                truth.append(float(z64[t].log_softmax(-1)[y]))
+                labels.append(f"prompt {i} completion {j} token {t}")
+                if t > SWAP_AT:
+                    other.append((truth[-1], float(zo[t].log_softmax(-1)[y])))
+    assert swapped >= 3, "too few completions ran past the swap for the check to mean anything"
+    check_fp32(f"{decoder}/{mode}: log-probs", got, ref, truth, tol, labels)
+    # the other mode's oracle is far away: the check above tells keep from abort
+    gap = torch.tensor([x - y for x, y in other]).pow(2).mean().sqrt()
+    assert gap > 50 * tol, f"keep and abort oracles differ by only {float(gap):.3g} (tol {tol:.3g})"
+
+
+def test_without_a_swap_every_token_carries_the_calls_version():
+    a, b, tok = _models(seed=1)
+    eng = TorchEngine(a, tok, copy_model=True, num_threads=1)
+    eng.inflight = hook = _Hook(eng, b, "keep", at=10 ** 6)
+    hook.version = 4
+    (g,) = eng.generate([[5, 6, 7]], n=3, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, seed=0))
+    assert all(c.token_versions == [4] * len(c.token_ids) for c in g)
+    eng.inflight = None
+    (g,) = eng.generate([[5, 6, 7]], n=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, seed=0))
+    assert all(c.token_versions is None for c in g)  # colocated: no per-token versions
+
+
+def test_a_thinking_budget_continuation_keeps_the_versions_aligned_with_the_tokens():
+    a, b, tok = _models(seed=2)
+    eng = TorchEngine(a, tok, copy_model=True, num_threads=1)
+    eng.inflight = _Hook(eng, b, "abort", at=1)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, thinking_budget=4, answer_budget=4, seed=5,
+                       think_end="\x01", interrupt="\x02")
+    (g,) = eng.generate([[5, 6, 7]], n=4, sampling=s)
+    for c in g:
+        assert len(c.token_versions) == len(c.token_ids)
+        assert c.token_versions == sorted(c.token_versions) and set(c.token_versions) <= {0, 1}
