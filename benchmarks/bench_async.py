@@ -8,8 +8,10 @@ Rows (each one run per seed, in a process of its own, so Ray and the CPU pinning
   async eta=0/1/2  one rollout worker (built-in engine, 1 thread) pinned to one core and the trainer
                    (threads=1) to the other: equal resources and equal placement, only the
                    staleness bound η differs (η = 0 is lock-step across the two processes)
-  tail ...         the long-tail case: the same rows at a completion cap of 256 (lengths spread),
-                   fewer steps, one seed, no evaluation
+  asyncN-keep/-abort  η = N with rollout.inflight=keep / abort: weights that arrive during a call
+                   load between two decode steps (the default, wait: at the next call)
+  tail ...         the long-tail case: the same rows (η ≤ 1) at a completion cap of 256 (lengths
+                   spread), fewer steps, one seed, no evaluation
 
 Pinning: the child process pins itself to core 0 before Ray starts (Ray's daemons and the worker
 inherit it; the worker's threads are re-pinned by pid after it is up), then every thread of the
@@ -33,6 +35,7 @@ within 5 points of η = 0). TRL beside them: benchmarks/bench_real_model.py.
 
     python -m benchmarks.bench_async                    # all rows, seeds 0 1 2, 30 steps, cap 64 + tail
     python -m benchmarks.bench_async --rows colocated async1 --seeds 0 --steps 10 --no-tail
+    python -m benchmarks.bench_async --rows async0 async1 async1-keep --tail-only --tail-steps 6
     python -m benchmarks.bench_async --smoke --out /tmp/bench_async   # the tiny model, 2 steps: proves it runs
 
 Writes OUT/bench_async.json (every run's per-step rows), benchmarks/results/bench_async.png
@@ -71,10 +74,12 @@ def row_overrides(name: str) -> List[str]:
     """Config overrides of a row (on top of the example's config and the common ones)."""
     if name == "colocated":
         return ["threads=0", "rollout.mode=colocated"]
-    if name.startswith("async") and name[5:].isdigit():
+    eta, _, inflight = name[5:].partition("-")
+    if name.startswith("async") and eta.isdigit() and inflight in ("", "keep", "abort"):
         return ["threads=1", "rollout.mode=async", "rollout.workers=1", "rollout.worker_threads=1",
-                f"rollout.max_staleness={int(name[5:])}"]
-    raise ValueError(f"row {name!r}: expected one of {list(ROW_NAMES)} (asyncN: η = N)")
+                f"rollout.max_staleness={int(eta)}"] + ([f"rollout.inflight={inflight}"] if inflight else [])
+    raise ValueError(f"row {name!r}: expected one of {list(ROW_NAMES)} (asyncN: η = N; asyncN-keep / asyncN-abort: "
+                     "weights loaded in the middle of a call, rollout.inflight)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tail-cap", type=int, default=256, help="completion cap of the long-tail rows")
     ap.add_argument("--tail-steps", type=int, default=8)
     ap.add_argument("--no-tail", action="store_true", help="skip the long-tail rows")
+    ap.add_argument("--tail-only", action="store_true", help="the long-tail rows alone")
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-time cap of one run (it is killed past it)")
     ap.add_argument("--smoke", action="store_true", help="the tiny model, 2 steps, one seed, cap 8: proves the script runs")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more config overrides (every row)")
@@ -107,9 +113,9 @@ def run_specs(a: argparse.Namespace, data: Optional[Dict[str, str]]) -> List[Dic
     base = SMOKE if a.smoke else [f"data.path={data['train']}", f"data.eval_path={data['test']}"]
     config = None if a.smoke else os.path.join(EXAMPLE, "config.yaml")
     specs = []
-    plan = [(r, s, a.cap, a.steps, True) for r in a.rows for s in a.seeds]
+    plan = [] if a.tail_only else [(r, s, a.cap, a.steps, True) for r in a.rows for s in a.seeds]
     if not a.no_tail:
-        plan += [(r, a.seeds[0], a.tail_cap, a.tail_steps, False) for r in a.rows if r in ("colocated", "async0", "async1")]
+        plan += [(r, a.seeds[0], a.tail_cap, a.tail_steps, False) for r in a.rows if not r.startswith("async2")]
     for row, seed, cap, steps, evals in plan:
         label = row if evals else f"tail-{row}"
         run = os.path.join(a.out, f"{label}-cap{cap}-seed{seed}")
@@ -231,7 +237,8 @@ def summarize(res: Dict) -> Dict:
     for ph in PHASES:
         vals = [r.get(f"timing/{ph}", 0.0) for r in meas]
         out[ph] = sum(vals) / len(vals)
-    for k in ("async/wait_trainer", "async/wait_rollout", "async/staleness_mean", "async/mismatch_kl", "async/is_ess",
+    for k in ("async/wait_trainer", "async/wait_rollout", "async/staleness_mean", "async/version_span",
+              "async/mismatch_kl", "async/is_ess",
               "completion/length_mean", "completion/length_max"):
         vals = [r[k] for r in meas if k in r]
         out[k] = sum(vals) / len(vals) if vals else None
@@ -325,11 +332,15 @@ def report(results: List[Dict], a: argparse.Namespace) -> Dict:
             ratios[f"eta{eta}_over_eta0_samples_per_s"] = s[f"async{eta}"]["samples_per_s"] / s["async0"]["samples_per_s"]
             if s[f"async{eta}"].get("acc_last") is not None and s["async0"].get("acc_last") is not None:
                 ratios[f"eta{eta}_minus_eta0_accuracy_points"] = 100 * (s[f"async{eta}"]["acc_last"] - s["async0"]["acc_last"])
-    t0, t1 = summaries.get(f"tail-async0 cap{a.tail_cap}"), summaries.get(f"tail-async1 cap{a.tail_cap}")
-    if t0 and t1 and t0.get("completion/length_max"):
+    t0 = summaries.get(f"tail-async0 cap{a.tail_cap}")
+    if t0 and t0.get("completion/length_max"):
         straggler = t0["rollout"] * (1 - t0["completion/length_mean"] / t0["completion/length_max"])
         ratios["tail_straggler_s_eta0"] = straggler
-        ratios["tail_recovered_fraction"] = min(1.0, (t0["s_per_step"] - t1["s_per_step"]) / straggler) if straggler > 0 else 0.0
+        for row in ("async1", "async1-keep", "async1-abort"):
+            t1 = summaries.get(f"tail-{row} cap{a.tail_cap}")
+            if t1:
+                key = "tail_recovered_fraction" + ("" if row == "async1" else "_" + row.split("-")[1])
+                ratios[key] = min(1.0, (t0["s_per_step"] - t1["s_per_step"]) / straggler) if straggler > 0 else 0.0
     csv_path = os.path.join(a.out, "async.csv") if a.smoke else None
     bench.finish(csv_path)
     for k, v in ratios.items():

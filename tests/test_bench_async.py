@@ -33,6 +33,12 @@ def test_arguments_and_run_plan(tmp_path):
         B.parse_args(["--rows", "async"])
     with pytest.raises(SystemExit):
         B.parse_args(["--steps", "0"])
+    tail_only = B.run_specs(B.parse_args(["--rows", "async0", "async1-keep", "--tail-only", "--out", str(tmp_path)]),
+                            {"train": "tr.jsonl", "test": "te.jsonl"})
+    assert [s["label"] for s in tail_only] == ["tail-async0", "tail-async1-keep"]
+    assert "rollout.inflight=keep" in tail_only[1]["overrides"] and not any("inflight" in o for o in tail_only[0]["overrides"])
+    with pytest.raises(ValueError, match="row 'async1-bogus'"):
+        B.parse_args(["--rows", "async1-bogus"])
     smoke = B.parse_args(["--smoke", "--no-tail", "--rows", "colocated"])
     assert smoke.steps == 2 and smoke.seeds == [0] and [s["cap"] for s in B.run_specs(smoke, None)] == [8]
 
