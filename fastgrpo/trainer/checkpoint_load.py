@@ -227,9 +227,10 @@ def latest_checkpoint(out_dir: str, log: Optional[Callable[[str], None]] = None)
 
 def is_complete_model_dir(path: str, verify: bool = False) -> bool:
     """True when `path` is a model folder written completely by `save_model_atomic`: its marker
-    lists every file with its size (and, with `verify`, its sha256), config.json among them. A
-    folder torn by a kill or a full disk, or saved by something else, is not complete."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    lists every file with its size (and, with `verify`, its sha256), config.json (a LoRA policy's
+    adapter folder: adapter_config.json) among them. A folder torn by a kill or a full disk, or
+    saved by something else, is not complete."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         return False
     return verify_dir(path, MODEL_MARKER, hashes=verify) is None
 

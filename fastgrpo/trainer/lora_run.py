@@ -139,6 +139,11 @@ def check_lora_run(cfg) -> Optional[str]:
     else:
         lora.target_names(meta, m.lora)
     _check_engine(cfg, meta)
+    d = cfg.distributed
+    if d.backend == "deepspeed" and d.zero_stage == 3:
+        raise ValueError("config distributed.zero_stage=3: expected 0, 1 or 2 with a LoRA policy (model.lora.rank > 0 "
+                         "or an adapter folder as model.path): ZeRO-3 partitions the frozen base, which every rank's "
+                         "adapter reads whole; the adapter's own optimizer state is small enough for ZeRO-1 / 2")
     return adapter
 
 

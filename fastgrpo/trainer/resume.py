@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.models import lora
 
 
 class CheckpointMixin:
@@ -27,7 +28,9 @@ class CheckpointMixin:
         with self.timers.phase("checkpoint"):
             ds = self.backend.kind == "deepspeed"
             multi = ds or self.world_size > 1
-            state = self.backend.full_state_dict() if ds else None
+            # a LoRA run saves its live adapter (whole on every rank: ZeRO-3 is refused with LoRA at load),
+            # not a gathered copy of every weight
+            state = self.backend.full_state_dict() if ds and not lora.is_lora(self.backend.module) else None
 
             def shards(tmp: str) -> None:  # every rank, into rank 0's temp directory
                 barrier()  # rank 0 has created the temp directory

@@ -143,8 +143,16 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     if out_dir:
         from fastgrpo.trainer.checkpoint import save_model_atomic
 
-        # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts
-        save_model_atomic(model, tokenizer, os.path.join(out_dir, "sft", "model"))
+        from fastgrpo.models import lora
+
+        # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts.
+        # A LoRA policy saves its adapter alone (PEFT's folder, the base named in its
+        # adapter_config.json): what SFT trained, a valid model.path, and what a resume loads
+        path = os.path.join(out_dir, "sft", "model")
+        if lora.is_lora(model):
+            save_model_atomic(lora.peft_of(model), tokenizer, path, save_embedding_layers=False)
+        else:
+            save_model_atomic(model, tokenizer, path)
     return last
 
 
@@ -165,10 +173,15 @@ def load_saved_sft(model, sft_dir: str, log: Callable[[str], None]) -> bool:
     never deleted) with one line saying why, and False is returned: SFT runs again."""
     from transformers import AutoModelForCausalLM
 
+    from fastgrpo.models import lora
+
     why = sft_model_problem(sft_dir)
     if why is None:
         try:
-            model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
+            if lora.is_lora(model) and lora.is_adapter_dir(sft_dir):  # a LoRA run's SFT: its adapter, in place
+                lora.load_adapter_state(model, sft_dir)
+            else:
+                model.load_state_dict(AutoModelForCausalLM.from_pretrained(sft_dir).state_dict())
             return True
         except Exception as e:  # noqa: BLE001 — any failure: the folder is not a usable model
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -186,7 +186,10 @@ def _policy_path(cfg, log: Log) -> str:
     latest = latest_checkpoint(out, log=log)
     if latest is not None:
         return os.path.join(latest, "model")
-    if os.path.isfile(os.path.join(out, "sft", "model", "config.json")):
+    from fastgrpo.models import lora
+
+    sft = os.path.join(out, "sft", "model")
+    if os.path.isfile(os.path.join(sft, "config.json")) or lora.is_adapter_dir(sft):  # a LoRA run's: its adapter
         from fastgrpo.trainer.sft import sft_model_problem
 
         why = sft_model_problem(os.path.join(out, "sft", "model"))  # verified against its marker before use

@@ -225,3 +225,61 @@ def test_a_damaged_adapter_in_a_checkpoint_is_caught(cfg_factory, tmp_path):
     seen = []
     assert ckpt.latest_checkpoint(str(tmp_path / "a"), log=seen.append) == first
     assert seen and "adapter_model.safetensors" in seen[0] and "sha256" in seen[0]
+
+
+def test_sft_under_lora_saves_its_adapter_and_a_rerun_reuses_it(cfg_factory):
+    """The cold start of a LoRA run saves the adapter it trained (sft/model: PEFT's folder with the
+    completion marker), a rerun of the folder loads it instead of training SFT again, and the
+    folder is a model.path (its base + that adapter)."""
+    from safetensors.torch import load_file
+
+    from fastgrpo.pipeline import run_train
+    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+
+    args = (*LORA, "steps=0", "sft_first=true", "sft.steps=2", "data.num_heldout=0")
+    cfg = cfg_factory(*args)
+    run_train(cfg, log=_quiet)
+    sft = os.path.join(cfg.logging.out_dir, "sft", "model")
+    assert lora.is_adapter_dir(sft) and not os.path.exists(os.path.join(sft, "config.json"))
+    assert is_complete_model_dir(sft, verify=True)
+    logs = []
+    run_train(cfg_factory(*args), log=logs.append)
+    assert any("skipping the cold start" in m for m in logs), logs
+    assert not any("SFT cold start:" in m or "running SFT again" in m for m in logs), logs
+    saved = load_file(os.path.join(sft, "adapter_model.safetensors"))
+    model, _ = build_model(cfg_factory(*LORA, f"model.path={sft}").model)
+    mine = lora.adapter_named_tensors(model)
+    assert set(mine) == set(saved) and all(torch.equal(mine[k], saved[k]) for k in saved)
+    assert any(float(t.abs().sum()) > 0 for k, t in saved.items() if "lora_B" in k)  # SFT moved the adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_trains_saves_and_resumes_the_adapter(tmp_path, stage):
+    """Under DeepSpeed ZeRO-1 / 2 (one gloo process) only the adapter trains and sits in the
+    optimizer, the checkpoint holds the adapter folder, and a resumed trainer holds it exactly."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29600 + stage + os.getpid() % 200))
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, os.path.join(here, "_ds_lora_run.py"), str(stage), str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert all(torch.equal(r["b0"][k], r["b1"][k]) for k in r["b0"]), "a base weight moved"
+    assert any(not torch.equal(r["a0"][k], r["a1"][k]) for k in r["a0"]), "the adapter never trained"
+    assert all(torch.equal(r["a1"][k], r["a2"][k]) for k in r["a1"]), "the resumed adapter differs from the saved one"
+    assert r["step"] == 2 and lora.is_adapter_dir(os.path.join(r["path"], "model"))
+    assert r["opt_numel"] == r["adapter_numel"]  # AdamW holds the adapter alone
+
+
+def test_lora_with_zero3_is_refused_at_load():
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer.lora_run import check_lora_run
+
+    cfg = load_config(None, ["model.lora.rank=2", "rollout.engine=torch", "distributed.backend=deepspeed",
+                             "distributed.zero_stage=3"])
+    with pytest.raises(ValueError, match=r"^config distributed.zero_stage=3: expected 0, 1 or 2 with a LoRA policy"):
+        check_lora_run(cfg)
