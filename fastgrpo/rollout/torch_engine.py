@@ -294,7 +294,7 @@ class TorchEngine(RolloutEngine):
                 swaps.append((t + 1, version))
                 if hook.mode == "abort":  # the live rows resubmitted with their tokens so far
                     keep = alive.nonzero()[:, 0]
-                    rows, alive = rows[keep], alive[keep]
+                    rows, nxt, alive = rows[keep], nxt[keep], alive[keep]  # nxt: the native sampler's output buffer
                     ids = [prompt_ids[r] + out_tok[r, :t + 1].tolist() for r in rows.tolist()]
                     stepper, logits, next_pos = self._prefill(model, device, ids, max_new_tokens - t - 1)
                     t_off = t + 1
