@@ -78,7 +78,10 @@ class Trainer(UpdateMixin, CheckpointMixin):
         if model is None:
             model, tokenizer = build_model(cfg.model)
         self.tokenizer = tokenizer
-        self.task = task if task is not None else build_task(cfg.data)
+        if task is None:  # as fastgrpo.pipeline.load_run builds it: prompts through the tokenizer's chat template
+            ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            task = build_task(cfg.data, tokenizer, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+        self.task = task
         self.steps_total = cfg.steps * cfg.algorithm.inner_steps
         if backend is None:
             optimizer, scheduler = build_optimizer(model, cfg.optimizer, self.steps_total)

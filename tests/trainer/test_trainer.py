@@ -214,3 +214,36 @@ def test_top_k_with_an_engine_behind_the_policy_is_refused(cfg_factory):
     with pytest.raises(ValueError, match=r"sync.every=2 with rollout.top_k=5"):
         Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok, copy_model=True), log=lambda m: None)
     Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok), log=lambda m: None).close()
+
+
+def test_a_trainer_built_without_a_task_formats_prompts_as_the_cli_does(cfg_factory, tmp_path):
+    """`Trainer(cfg, model, tokenizer)` builds its task from cfg.data through the tokenizer's chat
+    template, as `fastgrpo train` (pipeline.load_run) does: the prompts a library user trains on
+    are the ones the CLI would (they were the raw questions, which the model answers worse)."""
+    import json
+
+    from fastgrpo.pipeline import load_run
+    from fastgrpo.trainer.build import build_model
+    from fastgrpo.trainer.grpo import Trainer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) for i in range(12)) + "\n")
+    cfg = cfg_factory(f"data.path={data}", "data.task=auto", "data.num_heldout=2")
+    model, tok = build_model(cfg.model)
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    t = Trainer(cfg, model, tok, log=lambda m: None)
+    try:
+        prompts = sorted(p.prompt for p in t.task.train)
+    finally:
+        t.close()
+    assert prompts and all(p.startswith("<") and p.endswith(">=") for p in prompts), prompts[:3]
+    cfg.model.path = "tiny"
+    import fastgrpo.trainer.build as b
+
+    real = b.build_tokenizer
+    b.build_tokenizer = lambda mcfg: (tok, None)
+    try:
+        _, task, _ = load_run(cfg, log=lambda m: None)
+    finally:
+        b.build_tokenizer = real
+    assert prompts == sorted(p.prompt for p in task.train)
