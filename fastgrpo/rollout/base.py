@@ -164,8 +164,7 @@ class RolloutEngine(abc.ABC):
                 c.logprobs = c.logprobs + [0.0] * len(extra) + r.logprobs
                 c.sampled_mask = c.sampled_mask + [0] * len(extra) + r.sampled_mask
                 if c.token_versions is not None and r.token_versions is not None:  # forced tokens: the answer's first version
-                    c.token_versions = (c.token_versions + [(r.token_versions or c.token_versions or [0])[0]] * len(extra)
-                                        + r.token_versions)
+                    c.token_versions = c.token_versions + r.token_versions[:1] * len(extra) + r.token_versions
                 c.finish_reason = r.finish_reason
                 c.text = self._decode(c.token_ids)
         return first

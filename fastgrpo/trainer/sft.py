@@ -143,16 +143,12 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     if out_dir:
         from fastgrpo.trainer.checkpoint import save_model_atomic
 
-        from fastgrpo.models import lora
+        from fastgrpo.trainer.lora_run import checkpoint_model
 
         # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts.
-        # A LoRA policy saves its adapter alone (PEFT's folder, the base named in its
-        # adapter_config.json): what SFT trained, a valid model.path, and what a resume loads
-        path = os.path.join(out_dir, "sft", "model")
-        if lora.is_lora(model):
-            save_model_atomic(lora.peft_of(model), tokenizer, path, save_embedding_layers=False)
-        else:
-            save_model_atomic(model, tokenizer, path)
+        # A LoRA policy saves its adapter alone, as its checkpoints do (PEFT's folder, the base named
+        # in its adapter_config.json): what SFT trained, a valid model.path, and what a resume loads
+        save_model_atomic(checkpoint_model(model), tokenizer, os.path.join(out_dir, "sft", "model"))
     return last
 
 

@@ -192,11 +192,11 @@ def _policy_path(cfg, log: Log) -> str:
     if os.path.isfile(os.path.join(sft, "config.json")) or lora.is_adapter_dir(sft):  # a LoRA run's: its adapter
         from fastgrpo.trainer.sft import sft_model_problem
 
-        why = sft_model_problem(os.path.join(out, "sft", "model"))  # verified against its marker before use
+        why = sft_model_problem(sft)  # verified against its marker before use
         if why is not None:
             raise ValueError(f"config rm_stage: the RLVR stage's SFT model does not verify ({why}); run the RLVR stage "
                              "again (move sft/model aside) or restore it")
-        return os.path.join(out, "sft", "model")
+        return sft
     raise ValueError(f"config rm_stage: the RLVR stage left no model in {out} to continue from "
                      "(set checkpoint.at_end=true, or steps > 0)")
 
