@@ -232,9 +232,9 @@ def _check_async(cfg: TrainConfig) -> None:
     r, c = cfg.rollout, cfg.cluster
     if r.mode != "async":
         return
-    if r.inflight != "wait" and r.engine != "torch":
-        _bad("rollout.inflight", r.inflight, f"wait with rollout.engine={r.engine} (keep and abort load weights between "
-             "two decode steps of the built-in engine: set rollout.engine=torch)")
+    if r.inflight != "wait" and r.engine != "torch" and cfg.model.lora.rank > 0 and cfg.model.lora.sync == "adapter":
+        _bad("rollout.inflight", r.inflight, f"wait with model.lora.sync=adapter and rollout.engine={r.engine} (a vLLM "
+             "request keeps the adapter it was submitted with: set model.lora.sync=merged or rollout.engine=torch)")
     if r.sleep_between_steps:
         _bad("rollout.sleep_between_steps", True, "false with rollout.mode=async (workers own their engines)")
     if cfg.sync.every != 1:

@@ -66,7 +66,7 @@ class RolloutConfig:
     mode: str = "colocated"  # colocated (one process, phases in turn) | async (rollout workers on Ray, generating while the trainer updates)
     workers: int = 1  # async: rollout worker actors, one engine each (the built-in engine)
     max_staleness: int = 1  # async: η, how many policy versions behind a trained sample may be (0 = lock-step); enforced by admission, never by dropping
-    inflight: str = "wait"  # async: weights that arrive during a generate call: wait (they load at the next call) | keep (loaded between two decode steps, the tokens so far keep their cache) | abort (loaded there, the tokens so far re-prefilled); keep / abort need engine=torch
+    inflight: str = "wait"  # async: weights that arrive during a generate call: wait (they load at the next call) | keep (loaded between two decode steps, the tokens so far keep their cache) | abort (loaded there, the tokens so far re-prefilled); either engine (vLLM: not with lora.sync=adapter)
     deterministic: bool = False  # async: logical clock (swaps at fixed points, results in submission order, per-prompt seeds): two runs, one seed, same weights
     worker_threads: int = 1  # async: torch threads of each CPU rollout worker (its Ray CPU request too)
     prompts_per_call: int = 0  # async: prompts per generate call of a worker (0 = prompts_per_step / workers; deterministic: 1)

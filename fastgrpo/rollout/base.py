@@ -79,6 +79,15 @@ class Completion:
             self.sampled_mask = [1] * len(self.token_ids)
 
 
+def token_versions(n: int, v0: int, swaps) -> List[int]:
+    """Versions of a completion's `n` tokens: `v0`, then each swap's version from its first token
+    (`swaps`: (index of the first token sampled under the new weights, their version), in order)."""
+    out = [v0] * n
+    for first, version in swaps:
+        out[first:] = [version] * max(0, n - first)
+    return out
+
+
 Prompt = Union[str, Sequence[int]]
 
 

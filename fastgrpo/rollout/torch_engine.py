@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from fastgrpo.rollout.decoders import HFStepper, LeanStepper, pick, uniforms
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig, token_versions
 
 # Decode steps below this many FLOPs (2 · parameters · batch) run on one thread (see _threads).
 _SMALL_STEP_FLOP = 1e9
@@ -53,14 +53,6 @@ def _compact_at(rows: int, small_step: bool = True) -> int:
 
 
 _DECODERS = ("auto", "lean", "hf")
-
-
-def _token_versions(n: int, v0: int, swaps) -> List[int]:
-    """Versions of a completion's `n` tokens: `v0`, then each swap's version from its first token."""
-    out = [v0] * n
-    for first, version in swaps:
-        out[first:] = [version] * max(0, n - first)
-    return out
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -308,5 +300,5 @@ class TorchEngine(RolloutEngine):
                            self._decode(toks[r][:lens[r]])) for r in range(B)]
         if hook is not None:  # per-token versions: the call's first version, then each swap's from its first token
             for c in outs:
-                c.token_versions = _token_versions(len(c.token_ids), v0, swaps)
+                c.token_versions = token_versions(len(c.token_ids), v0, swaps)
         return outs

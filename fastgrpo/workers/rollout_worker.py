@@ -7,10 +7,11 @@ concurrency groups): `gen` runs generate calls one after the other, `sync` recei
 A broadcast therefore never waits for a generate call: the received tensors are *staged*
 (the second weight buffer), and the gen thread loads them before its next call starts
 (`rollout.inflight=wait`: a running call finishes under the weights it started with). With
-`keep` or `abort` (built-in engine) the gen thread also loads them between two decode steps of
-a running call (PipelineRL's in-flight weight updates): `keep` continues the completions on
-their cached keys / values, `abort` re-prefills them — prompt and tokens so far — under the new
-weights, as vLLM's pause_generation(mode="abort") followed by a resubmission would. Each
+`keep` or `abort` the gen thread also loads them between two decode steps of a running call
+(PipelineRL's in-flight weight updates): `keep` continues the completions on their cached keys /
+values, `abort` re-prefills them — prompt and tokens so far — under the new weights (the
+built-in engine re-prefills its live rows; a vLLM engine runs the call step by step and has vLLM
+preempt and recompute its running requests). Each
 completion carries the version its first token was sampled under (`Completion.policy_version`)
 and, with keep / abort, every token's (`Completion.token_versions`).
 
@@ -46,7 +47,7 @@ def _pin_threads(n: int) -> None:
 
 
 class _MidCall:
-    """The engine's `inflight` hook (rollout.inflight=keep | abort, built-in engine): between two
+    """The engine's `inflight` hook (rollout.inflight=keep | abort, either engine): between two
     decode steps, staged weights load into the engine's model at once instead of at the next
     call — the completions in flight continue under them (keep: the tokens so far keep their
     cached keys and values; abort: they are re-prefilled under the new weights), each token
@@ -92,9 +93,10 @@ class RolloutWorker:
         self._swaps = 0  # weight loads in the middle of a call (rollout.inflight=keep | abort)
         inflight = cfg.rollout.inflight
         if inflight != "wait":
-            if self.kind != "torch":
-                raise RuntimeError(f"rollout worker {index}: rollout.inflight={inflight} needs the built-in engine "
-                                   f"(rollout.engine=torch); this worker's engine is {self.kind}, which takes wait")
+            if self.kind == "vllm" and self.engine.lora_sync == "adapter":
+                raise RuntimeError(f"rollout worker {index}: rollout.inflight={inflight} cannot reach running vLLM "
+                                   "requests with model.lora.sync=adapter (a request keeps the adapter it was "
+                                   "submitted with); set model.lora.sync=merged or rollout.inflight=wait")
             self.engine.inflight = _MidCall(self, inflight)
         self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
         self._lock = threading.Lock()

@@ -253,3 +253,21 @@ def check_engine(name: str, model, tok, prompts, groups, sampling, model64=None)
     seeds = None if sampling.seed is None else [sampling.seed + j for j in range(len(flat))]
     return check_rollouts(name, model, flat_ids, flat, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p, seeds=seeds, budget=sampling.max_new_tokens, model64=model64)
+
+
+def swap_logits(model, prompt, toks, k, mode, old):
+    """[len(toks), V] logits predicting each token of `toks` as sampled with a swap after token k
+    (model = the new weights, `old` the old ones)."""
+    ids = torch.tensor([list(prompt) + list(toks)])
+    P = len(prompt)
+    with torch.no_grad():
+        z_old = old(input_ids=ids).logits[0, P - 1:-1]
+        if len(toks) <= k + 1:
+            return z_old
+        if mode == "abort":
+            z_new = model(input_ids=ids).logits[0, P - 1:-1]
+        else:  # keep: the old model's cache for prompt + toks[:k], the new model from token k on
+            head = old(input_ids=ids[:, :P + k], use_cache=True)
+            z_tail = model(input_ids=ids[:, P + k:-1], past_key_values=head.past_key_values).logits[0]
+            z_new = torch.cat([z_old[:k + 1], z_tail])
+    return torch.cat([z_old[:k + 1], z_new[k + 1:]])

@@ -19,16 +19,17 @@ import torch
 from fastgrpo.models.tiny import build_tiny_model
 from fastgrpo.rollout import SamplingConfig
 from fastgrpo.rollout.torch_engine import TorchEngine
-from rollout_oracle import check_fp32, decode_depth, fp32_tol
+from rollout_oracle import check_fp32, decode_depth, fp32_tol, swap_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SWAP_AT = 3  # the poll after token 3: tokens 0..3 sampled by version 0, the rest by version 1
 
 
-def _models(seed=0):
-    a, tok = build_tiny_model("llama", seed=seed, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=96)
+def swap_models(seed=0, heads=4, kv_heads=2):
+    """Two tiny Llamas `a` (the old weights) and `b` (the new ones), far apart."""
+    a, tok = build_tiny_model("llama", seed=seed, hidden_size=64, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, intermediate_size=96)
     g = torch.Generator().manual_seed(seed + 11)
     with torch.no_grad():
         for p in a.parameters():
@@ -59,24 +60,6 @@ class _Hook:
         return 1
 
 
-def _logits(model, prompt, toks, k, mode, old):
-    """[len(toks), V] logits predicting each token of `toks` as sampled with a swap after token k
-    (model = the new weights, `old` the old ones)."""
-    ids = torch.tensor([list(prompt) + list(toks)])
-    P = len(prompt)
-    with torch.no_grad():
-        z_old = old(input_ids=ids).logits[0, P - 1:-1]
-        if len(toks) <= k + 1:
-            return z_old
-        if mode == "abort":
-            z_new = model(input_ids=ids).logits[0, P - 1:-1]
-        else:  # keep: the old model's cache for prompt + toks[:k], the new model from token k on
-            head = old(input_ids=ids[:, :P + k], use_cache=True)
-            z_tail = model(input_ids=ids[:, P + k:-1], past_key_values=head.past_key_values).logits[0]
-            z_new = torch.cat([z_old[:k + 1], z_tail])
-    return torch.cat([z_old[:k + 1], z_new[k + 1:]])
-
-
 @pytest.mark.parametrize("decoder", ["auto", "lean", "hf"])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 @pytest.mark.parametrize("stops", [False, True])
@@ -87,7 +70,7 @@ def test_a_swap_mid_call_samples_from_the_policy_that_tagged_each_token(decoder,
         from fastgrpo.rollout import torch_engine
 
         monkeypatch.setattr(torch_engine, "_compact_at", lambda rows, small_step=True: rows + 1)
-    a, b, tok = _models()
+    a, b, tok = swap_models()
     a64, b64 = copy.deepcopy(a).double(), copy.deepcopy(b).double()
     eng = TorchEngine(a, tok, copy_model=True, decoder=decoder, num_threads=1)
     eng.inflight = hook = _Hook(eng, b, mode)
@@ -107,9 +90,9 @@ def test_a_swap_mid_call_samples_from_the_policy_that_tagged_each_token(decoder,
             n = len(c.token_ids)
             assert c.token_versions == [0] * min(n, SWAP_AT + 1) + [1] * max(0, n - SWAP_AT - 1)
             swapped += n > SWAP_AT + 1
-            z64 = _logits(b64, prompts[i], c.token_ids, SWAP_AT, mode, a64).double()
-            z32 = _logits(b, prompts[i], c.token_ids, SWAP_AT, mode, a).double()
-            zo = _logits(b64, prompts[i], c.token_ids, SWAP_AT, "abort" if mode == "keep" else "keep", a64).double()
+            z64 = swap_logits(b64, prompts[i], c.token_ids, SWAP_AT, mode, a64).double()
+            z32 = swap_logits(b, prompts[i], c.token_ids, SWAP_AT, mode, a).double()
+            zo = swap_logits(b64, prompts[i], c.token_ids, SWAP_AT, "abort" if mode == "keep" else "keep", a64).double()
             tol = max(tol, 2 * fp32_tol(decode_depth(a.config, len(prompts[i]) + n), z64) + 2 ** -24 * z64.shape[-1])
             for t, y in enumerate(c.token_ids):
                 got.append(c.logprobs[t])
@@ -126,7 +109,7 @@ def test_a_swap_mid_call_samples_from_the_policy_that_tagged_each_token(decoder,
 
 
 def test_without_a_swap_every_token_carries_the_calls_version():
-    a, b, tok = _models(seed=1)
+    a, b, tok = swap_models(seed=1)
     eng = TorchEngine(a, tok, copy_model=True, num_threads=1)
     eng.inflight = hook = _Hook(eng, b, "keep", at=10 ** 6)
     hook.version = 4
@@ -138,7 +121,7 @@ def test_without_a_swap_every_token_carries_the_calls_version():
 
 
 def test_a_thinking_budget_continuation_keeps_the_versions_aligned_with_the_tokens():
-    a, b, tok = _models(seed=2)
+    a, b, tok = swap_models(seed=2)
     eng = TorchEngine(a, tok, copy_model=True, num_threads=1)
     eng.inflight = _Hook(eng, b, "abort", at=1)
     s = SamplingConfig(temperature=1.0, max_new_tokens=12, thinking_budget=4, answer_budget=4, seed=5,

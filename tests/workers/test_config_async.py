@@ -27,8 +27,9 @@ def test_async_defaults_load_and_colocated_stays_the_default():
 @pytest.mark.parametrize("extra, field", [
     (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     (["rollout.sleep_between_steps=true"], "rollout.sleep_between_steps"),
-    (["rollout.inflight=keep"], "rollout.inflight"),  # engine auto: vLLM where it serves the model
-    (["rollout.inflight=abort", "rollout.engine=vllm"], "rollout.inflight"),
+    # a vLLM request keeps the adapter it was submitted with (engine auto: vLLM where it serves the model)
+    (["rollout.inflight=keep", "model.lora.rank=4"], "rollout.inflight"),
+    (["rollout.inflight=abort", "rollout.engine=vllm", "model.lora.rank=4"], "rollout.inflight"),
     (["rollout.inflight=bogus"], "rollout.inflight"),
     (["rollout.workers=64"], "rollout.workers"),
     (["rollout.workers=0"], "rollout.workers"),
@@ -45,8 +46,11 @@ def test_bad_async_options_name_the_field(extra, field):
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_inflight_keep_and_abort_load_with_the_builtin_engine(mode):
-    cfg = load_config(None, ["rollout.mode=async", f"rollout.inflight={mode}", "rollout.engine=torch"])
+@pytest.mark.parametrize("extra", [["rollout.engine=torch"], ["rollout.engine=vllm"], ["rollout.engine=auto"],
+                                   ["rollout.engine=vllm", "model.lora.rank=4", "model.lora.sync=merged"],
+                                   ["rollout.engine=torch", "model.lora.rank=4"]])
+def test_inflight_keep_and_abort_load_with_either_engine(mode, extra):
+    cfg = load_config(None, ["rollout.mode=async", f"rollout.inflight={mode}"] + extra)
     assert cfg.rollout.inflight == mode
 
 

@@ -6,12 +6,13 @@ from async_helpers import async_cfg
 
 
 @pytest.mark.slow
-def test_vllm_cpu_worker_trains_under_async(ray_local, tmp_path):
+@pytest.mark.parametrize("inflight, eta", [("wait", 1), ("keep", 2)])
+def test_vllm_cpu_worker_trains_under_async(ray_local, tmp_path, inflight, eta):
     pytest.importorskip("vllm")
     from test_async_trainer import _trainer
 
     cfg = async_cfg(tmp_path, "rollout.engine=vllm", "model.hidden_size=64", "model.intermediate_size=128",
-                    "steps=3", "sync.timeout=300")
+                    "steps=3", "sync.timeout=300", f"rollout.inflight={inflight}", f"rollout.max_staleness={eta}")
     tr = _trainer(cfg)
     try:
         assert tr.orchestrator.pool.engines == ["vllm"]
@@ -21,6 +22,7 @@ def test_vllm_cpu_worker_trains_under_async(ray_local, tmp_path):
     assert [m["async/version"] for m in logs] == [1, 2, 3]
     assert max(m["async/staleness_max"] for m in logs) <= cfg.rollout.max_staleness
     assert all(m["completion/length_mean"] > 0 for m in logs)
+    assert all(0 <= m["async/version_span"] <= m["async/staleness_max"] for m in logs)
 
 
 @pytest.mark.slow

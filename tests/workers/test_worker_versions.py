@@ -121,9 +121,59 @@ def test_a_corrupted_tensor_loaded_mid_call_stops_the_call_naming_worker_and_ten
         w.generate(1, [[3, 4, 5]], 4, SamplingConfig(temperature=1.0, max_new_tokens=12), min_version=0)
 
 
-def test_inflight_keep_needs_the_builtin_engine(tmp_path):
+def test_inflight_keep_cannot_reach_a_vllm_adapter_request(tmp_path):
     from fastgrpo.workers.rollout_worker import RolloutWorker
 
+    eng = _Engine()
+    eng.lora_sync = "adapter"
     cfg = async_cfg(tmp_path, "rollout.inflight=keep")
-    with pytest.raises(RuntimeError, match="rollout worker 2: rollout.inflight=keep needs the built-in engine"):
-        RolloutWorker(cfg, 2, lambda c, p: (_Engine(), "vllm"))
+    with pytest.raises(RuntimeError, match="rollout worker 2: rollout.inflight=keep cannot reach running vLLM requests "
+                                           "with model.lora.sync=adapter"):
+        RolloutWorker(cfg, 2, lambda c, p: (eng, "vllm"))
+
+
+@pytest.mark.vllm
+def test_a_vllm_worker_loads_weights_staged_during_a_call(tmp_path):
+    """keep, then abort, on a vLLM-cpu worker: the broadcast staged mid-call loads through vLLM's
+    bucketed sync between two engine steps; the tokens after it carry the new version, and the
+    next call samples from the new weights (its log-probs are the float32 model's under them)."""
+    pytest.importorskip("vllm")
+    from fastgrpo.rollout.base import SamplingConfig
+    from fastgrpo.sync.broadcast import checksums
+    from fastgrpo.trainer.async_trainer import build_worker_engine
+    from fastgrpo.trainer.build import build_model
+    from fastgrpo.workers.rollout_worker import RolloutWorker
+
+    cfg = async_cfg(tmp_path, "rollout.inflight=keep", "rollout.engine=vllm", "model.hidden_size=64",
+                    "model.intermediate_size=128", "rollout.max_new_tokens=12")
+    w = RolloutWorker(cfg, 0, build_worker_engine)
+    try:
+        assert w.kind == "vllm"
+        ref, _ = build_model(cfg.model)
+        g = torch.Generator().manual_seed(0)
+        ws = [{n: torch.randn(p.shape, generator=g) * 0.5 for n, p in ref.named_parameters()}]
+        ws.append({n: t + 0.3 for n, t in ws[0].items()})
+        ws.append({n: t - 0.3 for n, t in ws[0].items()})
+        w._stage(0, ws[0], checksums(ws[0].items()))
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
+        for version, mode in ((1, "keep"), (2, "abort")):
+            w.engine.inflight.mode = mode
+            _stage_at_poll(w, 3, version, ws[version], checksums(ws[version].items()))
+            out = w.generate(version, [[3, 4, 5], [6, 7]], 4, sampling, min_version=version - 1)
+            comps = [c for grp in out["groups"] for c in grp]
+            assert all(c.policy_version == version - 1 for c in comps)
+            long = [c for c in comps if len(c.token_ids) > 3]
+            assert long and all(c.token_versions == [version - 1] * 3 + [version] * (len(c.token_ids) - 3)
+                                for c in long), [c.token_versions for c in comps]
+            assert w.version == version and w.stats()["swaps"] == version
+        w.engine.inflight = None
+        out = w.generate(3, [[3, 4, 5]], 2, sampling, min_version=2)
+        with torch.no_grad():
+            ref.load_state_dict(ws[2], strict=False)
+            for c in out["groups"][0]:
+                ids = torch.tensor([[3, 4, 5] + c.token_ids])
+                lp = ref(input_ids=ids).logits[0, 2:-1].log_softmax(-1)
+                want = lp[torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)]
+                assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-3), (c.logprobs, want.tolist())
+    finally:
+        w.close()
