@@ -271,3 +271,35 @@ def swap_logits(model, prompt, toks, k, mode, old):
             z_tail = model(input_ids=ids[:, P + k:-1], past_key_values=head.past_key_values).logits[0]
             z_new = torch.cat([z_old[:k + 1], z_tail])
     return torch.cat([z_old[:k + 1], z_new[k + 1:]])
+
+
+def check_swap(name: str, old, new, prompts, groups, mode: str, n_old: int) -> None:
+    """Completions `groups` of `prompts` sampled with a swap from `old` (version 0) to `new`
+    (version 1) after each completion's first `n_old` tokens: the version tags say so, and every
+    log-prob is the one of the policy that sampled it (float32 next to float64, `swap_logits`'s
+    oracle for `mode`); the other mode's oracle must be far away, so the check tells keep from abort."""
+    old64, new64 = copy.deepcopy(old).double(), copy.deepcopy(new).double()
+    other_mode = "abort" if mode == "keep" else "keep"
+    k = n_old - 1
+    got, ref, truth, labels, other = [], [], [], [], []
+    tol, swapped = 0.0, 0
+    for i, g in enumerate(groups):
+        for j, c in enumerate(g):
+            n = len(c.token_ids)
+            assert c.token_versions == [0] * min(n, n_old) + [1] * max(0, n - n_old), (i, j, c.token_versions)
+            swapped += n > n_old
+            z64 = swap_logits(new64, prompts[i], c.token_ids, k, mode, old64).double()
+            z32 = swap_logits(new, prompts[i], c.token_ids, k, mode, old).double()
+            zo = swap_logits(new64, prompts[i], c.token_ids, k, other_mode, old64).double()
+            tol = max(tol, 2 * fp32_tol(decode_depth(old.config, len(prompts[i]) + n), z64) + 2 ** -24 * z64.shape[-1])
+            for t, y in enumerate(c.token_ids):
+                got.append(c.logprobs[t])
+                ref.append(float(z32[t].log_softmax(-1)[y]))
+                truth.append(float(z64[t].log_softmax(-1)[y]))
+                labels.append(f"prompt {i} completion {j} token {t}")
+                if t > k:
+                    other.append((truth[-1], float(zo[t].log_softmax(-1)[y])))
+    assert swapped >= 2, "too few completions ran past the swap for the check to mean anything"
+    check_fp32(f"{name}: log-probs", got, ref, truth, tol, labels)
+    gap = torch.tensor([x - y for x, y in other]).pow(2).mean().sqrt()
+    assert gap > 50 * tol, f"keep and abort oracles differ by only {float(gap):.3g} (tol {tol:.3g})"

