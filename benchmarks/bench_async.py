@@ -19,7 +19,8 @@ trainer process moves to core 1 (`os.sched_setaffinity` per thread id: the call 
 not a process) and torch runs one thread on each side.
 
 Measured per row: samples/s = P·G completions per step / seconds per step, over the steps after
-the first (warm-up: decoder build, first allocations); the phase timeline as mean seconds per step
+the first (warm-up: decoder build, first allocations), and completion tokens/s (rows whose policies
+learn at different paces sample different lengths: shorter answers make more samples/s); the phase timeline as mean seconds per step
 of each `timing/<phase>` the trainer logs (in async, `rollout` is the trainer's wait for groups),
 `async/wait_rollout` (seconds the worker sat idle for want of admitted prompts) and the sync;
 held-out greedy accuracy (the example's eval.max_problems held-out problems) of weight snapshots
@@ -232,8 +233,12 @@ def summarize(res: Dict) -> Dict:
         return {}
     prev = {r["step"]: r["wall"] for r in rows}
     secs = [r["wall"] - prev.get(r["step"] - 1, 0.0) for r in meas]
+    toks = [res["samples_per_step"] * r.get("completion/length_mean", 0.0) for r in meas]
+    # tokens/s next to samples/s: two schedules whose policies learn at different paces also
+    # sample different lengths (shorter answers are cheaper), which samples/s alone would credit
     out = {"s_per_step": statistics.median(secs), "step_times": secs,
-           "samples_per_s": res["samples_per_step"] * len(meas) / max(sum(secs), 1e-9)}
+           "samples_per_s": res["samples_per_step"] * len(meas) / max(sum(secs), 1e-9),
+           "tokens_per_s": sum(toks) / max(sum(secs), 1e-9)}
     for ph in PHASES:
         vals = [r.get(f"timing/{ph}", 0.0) for r in meas]
         out[ph] = sum(vals) / len(vals)
@@ -318,7 +323,7 @@ def report(results: List[Dict], a: argparse.Namespace) -> Dict:
         agg["acc_first"] = statistics.mean(accs[min(accs)]) if accs else None
         agg["acc_last"] = statistics.mean(accs[max(accs)]) if accs else None
         summaries[label] = agg
-        extra = {"seeds": len(per), "samples_per_s": agg["samples_per_s"],
+        extra = {"seeds": len(per), "samples_per_s": agg["samples_per_s"], "tokens_per_s": agg["tokens_per_s"],
                  **{f"{ph}_s": agg[ph] for ph in PHASES},
                  "worker_idle_s": agg.get("async/wait_rollout"), "staleness_mean": agg.get("async/staleness_mean"),
                  "acc_before": agg["acc_first"], "acc_after": agg["acc_last"]}
@@ -330,6 +335,7 @@ def report(results: List[Dict], a: argparse.Namespace) -> Dict:
     for eta in (1, 2):
         if s.get(f"async{eta}") and s.get("async0"):
             ratios[f"eta{eta}_over_eta0_samples_per_s"] = s[f"async{eta}"]["samples_per_s"] / s["async0"]["samples_per_s"]
+            ratios[f"eta{eta}_over_eta0_tokens_per_s"] = s[f"async{eta}"]["tokens_per_s"] / s["async0"]["tokens_per_s"]
             if s[f"async{eta}"].get("acc_last") is not None and s["async0"].get("acc_last") is not None:
                 ratios[f"eta{eta}_minus_eta0_accuracy_points"] = 100 * (s[f"async{eta}"]["acc_last"] - s["async0"]["acc_last"])
     t0 = summaries.get(f"tail-async0 cap{a.tail_cap}")

@@ -46,10 +46,13 @@ def test_arguments_and_run_plan(tmp_path):
 def test_summary_of_a_run():
     res = {"samples_per_step": 8, "rows": [
         {"step": 1, "wall": 5.0, "timing/rollout": 4.0, "timing/update": 1.0},
-        {"step": 2, "wall": 7.0, "timing/rollout": 1.0, "timing/update": 1.0, "async/wait_rollout": 0.5},
-        {"step": 3, "wall": 10.0, "timing/rollout": 2.0, "timing/update": 1.0, "async/wait_rollout": 1.5}]}
+        {"step": 2, "wall": 7.0, "timing/rollout": 1.0, "timing/update": 1.0, "async/wait_rollout": 0.5,
+         "completion/length_mean": 10.0},
+        {"step": 3, "wall": 10.0, "timing/rollout": 2.0, "timing/update": 1.0, "async/wait_rollout": 1.5,
+         "completion/length_mean": 20.0}]}
     s = B.summarize(res)
     assert s["samples_per_s"] == pytest.approx(16 / 5.0)  # the first (warm-up) step is left out
+    assert s["tokens_per_s"] == pytest.approx(8 * (10 + 20) / 5.0)
     assert s["rollout"] == pytest.approx(1.5) and s["async/wait_rollout"] == pytest.approx(1.0)
 
 
