@@ -19,9 +19,9 @@ trainer process moves to core 1 (`os.sched_setaffinity` per thread id: the call 
 not a process) and torch runs one thread on each side.
 
 Measured per row: samples/s = P·G completions per step / seconds per step, over the steps after
-the first (warm-up: decoder build, first allocations), and completion tokens/s (rows whose policies
-learn at different paces sample different lengths: shorter answers make more samples/s); the phase timeline as mean seconds per step
-of each `timing/<phase>` the trainer logs (in async, `rollout` is the trainer's wait for groups),
+the first (warm-up: decoder build, first allocations), and completion tokens/s (rows whose
+policies learn at different paces sample different lengths: shorter answers make more samples/s);
+the phase timeline as mean seconds per step of each `timing/<phase>` the trainer logs (in async, `rollout` is the trainer's wait for groups),
 `async/wait_rollout` (seconds the worker sat idle for want of admitted prompts) and the sync;
 held-out greedy accuracy (the example's eval.max_problems held-out problems) of weight snapshots
 taken every --eval-every steps, against steps and against the run's own training wall-clock

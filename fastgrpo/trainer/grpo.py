@@ -45,7 +45,7 @@ from fastgrpo.curriculum import dynamic_sampling
 from fastgrpo.models.packed import head_softcap
 from fastgrpo.rewards.combine import score_groups
 from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
-                                    check_sync_sampling, sampling_config)
+                                    check_sync_sampling, model_context_len, sampling_config)
 from fastgrpo.trainer.collectives import all_gather, all_reduce_metrics, shard
 from fastgrpo.trainer.metrics import MetricsLogger, Timers, rollout_metrics
 from fastgrpo.trainer.resume import CheckpointMixin
@@ -79,8 +79,8 @@ class Trainer(UpdateMixin, CheckpointMixin):
             model, tokenizer = build_model(cfg.model)
         self.tokenizer = tokenizer
         if task is None:  # as fastgrpo.pipeline.load_run builds it: prompts through the tokenizer's chat template
-            ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-            task = build_task(cfg.data, tokenizer, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+            task = build_task(cfg.data, tokenizer, context_len=model_context_len(model),
+                              max_new_tokens=cfg.rollout.max_new_tokens)
         self.task = task
         self.steps_total = cfg.steps * cfg.algorithm.inner_steps
         if backend is None:

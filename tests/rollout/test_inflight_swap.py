@@ -42,8 +42,8 @@ def swap_models(seed=0, heads=4, kv_heads=2):
 
 
 class SwapHook:
-    """An engine's `inflight` hook that loads `new` into it at poll number `at` (version 0 → 1):
-    through `engine.update_weights` (a vLLM engine: its real sync), else in place in its model."""
+    """An engine's `inflight` hook that loads `new` into it at poll number `at` (version 0 → 1),
+    through the engine's own `update_weights` (in place; a vLLM engine: its real bucketed sync)."""
 
     def __init__(self, engine, new, mode, at=SWAP_AT):
         self.engine, self.new, self.mode, self.at = engine, new, mode, at
@@ -53,13 +53,7 @@ class SwapHook:
         self.polls += 1
         if self.polls - 1 != self.at:
             return None
-        if not isinstance(self.engine, TorchEngine):
-            self.engine.update_weights(self.new)
-        else:
-            with torch.no_grad():
-                src = dict(self.new.named_parameters())
-                for n, p in self.engine.model.named_parameters():
-                    p.copy_(src[n])
+        self.engine.update_weights(self.new)
         self.version = 1
         return 1
 

@@ -216,7 +216,7 @@ def test_top_k_with_an_engine_behind_the_policy_is_refused(cfg_factory):
     Trainer(cfg, model, tok, task=NoisyTask(), engine=TorchEngine(model, tok), log=lambda m: None).close()
 
 
-def test_a_trainer_built_without_a_task_formats_prompts_as_the_cli_does(cfg_factory, tmp_path):
+def test_a_trainer_built_without_a_task_formats_prompts_as_the_cli_does(cfg_factory, tmp_path, monkeypatch):
     """`Trainer(cfg, model, tokenizer)` builds its task from cfg.data through the tokenizer's chat
     template, as `fastgrpo train` (pipeline.load_run) does: the prompts a library user trains on
     are the ones the CLI would (they were the raw questions, which the model answers worse)."""
@@ -238,12 +238,6 @@ def test_a_trainer_built_without_a_task_formats_prompts_as_the_cli_does(cfg_fact
         t.close()
     assert prompts and all(p.startswith("<") and p.endswith(">=") for p in prompts), prompts[:3]
     cfg.model.path = "tiny"
-    import fastgrpo.trainer.build as b
-
-    real = b.build_tokenizer
-    b.build_tokenizer = lambda mcfg: (tok, None)
-    try:
-        _, task, _ = load_run(cfg, log=lambda m: None)
-    finally:
-        b.build_tokenizer = real
+    monkeypatch.setattr("fastgrpo.trainer.build.build_tokenizer", lambda mcfg: (tok, None))
+    _, task, _ = load_run(cfg, log=lambda m: None)
     assert prompts == sorted(p.prompt for p in task.train)
