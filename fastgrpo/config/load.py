@@ -59,7 +59,7 @@ _CHECKS = {
     "optimizer.min_lr_ratio": _PROB,
     "sft.steps": _NONNEG, "sft.batch_size": _POS_INT, "sft.lr": _POS, "sft.noise": _PROB, "sft.max_grad_norm": _NONNEG,
     "eval.num_samples": _POS_INT, "eval.temperature": _NONNEG, "eval.max_problems": _POS_INT, "eval.every": _NONNEG,
-    "sync.every": _POS_INT, "sync.timeout": _POS, "sync.bucket_mb": _POS_INT,
+    "sync.every": _POS_INT, "sync.timeout": _POS, "sync.bucket_mb": _POS_INT, "sync.transport": _choice("auto", "group", "shm"),
     "rollout.mode": _choice("colocated", "async"), "rollout.workers": _POS_INT, "rollout.max_staleness": _NONNEG,
     "rollout.inflight": _choice("wait", "abort", "keep"), "rollout.worker_threads": _POS_INT,
     "rollout.prompts_per_call": _NONNEG,

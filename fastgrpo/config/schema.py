@@ -240,6 +240,7 @@ class SyncConfig:
     timeout: float = 300.0  # async: seconds any weight broadcast, worker RPC or wait for a worker may take before the run stops naming it
     bucket_mb: int = 256  # async: broadcast bucket size in MiB (two buckets in flight)
     overlap: bool = True  # async: the broadcast runs while the trainer computes the next step (its optimizer step waits for it); false: the trainer waits at each sync
+    transport: str = "auto"  # async: how a broadcast reaches the workers: auto (shm when every worker is a CPU worker on this node, else group) | group (the gloo / NCCL group) | shm (one shared-memory segment the workers copy from)
 
 
 @dataclass

@@ -22,12 +22,13 @@ on CPU) and `PyNcclCommunicator` (a no-op without CUDA) are not used; the group 
 from __future__ import annotations
 
 import datetime
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from fastgrpo.sync.bucket import (BucketReceiver, TensorSlice, bucket_nbytes, named_specs, pack_bucket,
+from fastgrpo.sync.bucket import (ALIGN, BucketReceiver, TensorSlice, bucket_nbytes, named_specs, pack_bucket,
                                   plan_buckets)
 
 Named = Sequence[Tuple[str, torch.Tensor]]
@@ -102,6 +103,33 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+class StagingBuffers:
+    """Receive buffers reused from one sync to the next. A fresh 538 MB allocation is fresh pages:
+    the first write faults every one of them in, which cost a worker more CPU (0.3–0.4 s on one
+    core) than the transfer itself. `take` lends a buffer of exactly `nbytes` (a returned one when
+    there is one), `give` returns them once the weights they hold are loaded or superseded."""
+
+    def __init__(self):
+        self._free: Dict[int, List[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device=None) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                buf = free.pop()
+                if device is None or buf.device == torch.device(device):
+                    return buf
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, bufs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                free = self._free.setdefault(b.numel(), [])
+                if len(free) < 2:  # at most two syncs' worth kept (the staged one and the one arriving)
+                    free.append(b)
+
+
 def plan(named: Named, bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[tuple]]:
     """The bucket plan of `named` as plain tuples (sent to the receivers over RPC)."""
     return [[e.to_tuple() for e in b] for b in plan_buckets(named_specs(named, dtype), bucket_bytes)]
@@ -131,15 +159,20 @@ def send(group: BroadcastGroup, named: Named, buckets: List[List[tuple]], what: 
     return total
 
 
+def _alloc(alloc, nbytes: int, device) -> torch.Tensor:
+    return alloc(nbytes, device) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def receive(group: BroadcastGroup, buckets: List[List[tuple]], what: str = "weight broadcast",
-            corrupt_bucket: Optional[int] = None) -> Dict[str, torch.Tensor]:
+            corrupt_bucket: Optional[int] = None, alloc=None) -> Dict[str, torch.Tensor]:
     """Ranks 1..: receive every bucket (the next one arrives while the last is unpacked) into
-    tensors owned by the caller. `corrupt_bucket` flips bytes of that bucket after it arrived
-    (fault injection for the verification's test)."""
+    tensors owned by the caller (views of buffers from `alloc(nbytes, device)`, e.g. a
+    StagingBuffers' `take`; fresh ones without). `corrupt_bucket` flips bytes of that bucket after
+    it arrived (fault injection for the verification's test)."""
     plan_ = [[TensorSlice.coerce(e) for e in b] for b in buckets]
-    # a fresh buffer per bucket: the staged tensors are views of it (no copy out), and bucket
-    # k + 1 is on the wire while bucket k is unpacked
-    bufs = [torch.empty(bucket_nbytes(b), dtype=torch.uint8, device=group.device) for b in plan_]
+    # a buffer per bucket: the staged tensors are views of it (no copy out), and bucket k + 1 is
+    # on the wire while bucket k is unpacked
+    bufs = [_alloc(alloc, bucket_nbytes(b), group.device) for b in plan_]
     recv = BucketReceiver()
     out: Dict[str, torch.Tensor] = {}
     works = {}
@@ -158,6 +191,85 @@ def receive(group: BroadcastGroup, buckets: List[List[tuple]], what: str = "weig
     if missing:
         raise BroadcastError(f"{what}: tensors incomplete after the last bucket: {missing[:5]}")
     return out
+
+
+def shm_layout(buckets: List[List[tuple]]) -> Tuple[List[int], int]:
+    """(byte offset of each bucket, total bytes) of the buckets laid end to end in one segment."""
+    plan_ = [[TensorSlice.coerce(e) for e in b] for b in buckets]
+    offsets, total = [], 0
+    for b in plan_:
+        offsets.append(total)
+        total += -(-bucket_nbytes(b) // ALIGN) * ALIGN
+    return offsets, total
+
+
+def send_shm(channel, named: Named, buckets: List[List[tuple]]) -> Dict:
+    """Rank 0, every receiver on this node (sync.transport=shm): pack every bucket into one
+    shared-memory segment (`fastgrpo.sync.shm.ShmTransport`, grown when needed) and return what
+    the receivers attach to. The caller must not pack again before every receiver has returned
+    (`receive_shm` copies out of the segment before it does)."""
+    tensors = dict(named)
+    plan_ = [[TensorSlice.coerce(e) for e in b] for b in buckets]
+    offsets, total = shm_layout(buckets)
+    channel.ensure(max(total, 1))
+    buf = channel.buffers[0]
+    for off, b in zip(offsets, plan_):
+        pack_bucket(buf[off:off + bucket_nbytes(b)], b, tensors)
+    return dict(channel.payload(), offsets=offsets)
+
+
+class ShmReceiver:
+    """Ranks 1.. on rank 0's node: the segment of the last `send_shm`, mapped once (again when
+    rank 0 grew it), copied out bucket by bucket into tensors the caller owns."""
+
+    def __init__(self, track: bool = False):
+        self.track = track  # True in rank 0's own process or its multiprocessing children (one resource tracker)
+        self._names: Optional[tuple] = None
+        self._buffers: List[torch.Tensor] = []
+        self._handles: list = []
+
+    def _map(self, payload: Dict) -> torch.Tensor:
+        from fastgrpo.sync.shm import attach
+
+        names = tuple(payload["names"])
+        if names != self._names:
+            self.close()
+            self._buffers, self._handles = attach(payload, track=self.track)
+            self._names = names
+        return self._buffers[0]
+
+    def receive(self, payload: Dict, buckets: List[List[tuple]], what: str = "weight broadcast",
+                corrupt_bucket: Optional[int] = None, alloc=None) -> Dict[str, torch.Tensor]:
+        """Every bucket copied out of the segment into buffers from `alloc` (as `receive`'s)."""
+        try:
+            seg = self._map(payload)
+        except (OSError, ValueError) as e:
+            raise BroadcastError(f"{what}: cannot map rank 0's shared memory {list(payload['names'])}: "
+                                 f"{_first_line(e)} (a worker on another node needs sync.transport=group)") from None
+        plan_ = [[TensorSlice.coerce(e) for e in b] for b in buckets]
+        recv = BucketReceiver()
+        out: Dict[str, torch.Tensor] = {}
+        for k, (off, b) in enumerate(zip(payload["offsets"], plan_)):
+            n = bucket_nbytes(b)
+            buf = _alloc(alloc, n, None)
+            buf.copy_(seg[off:off + n])  # ours: rank 0 packs the next sync into the segment
+            if corrupt_bucket == k:
+                buf ^= 0x5A
+            for name, t in recv.receive(buf, b):
+                out[name] = t
+        missing = recv.incomplete()
+        if missing:
+            raise BroadcastError(f"{what}: tensors incomplete after the last bucket: {missing[:5]}")
+        return out
+
+    def close(self) -> None:
+        self._buffers = []
+        for h in self._handles:
+            try:
+                h.close()
+            except BufferError:  # a view still alive: the mapping goes with it
+                pass
+        self._handles, self._names = [], None
 
 
 def checksum(t: torch.Tensor) -> int:

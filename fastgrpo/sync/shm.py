@@ -27,13 +27,27 @@ class ShmTransport:
         self.buffers: List[torch.Tensor] = []
 
     def ensure(self, nbytes: int) -> bool:
-        """Allocate buffers of at least `nbytes`; True when (re)allocated (the engine must attach)."""
+        """Allocate buffers of at least `nbytes`; True when (re)allocated (the engine must attach).
+        The pages are reserved at once (`posix_fallocate`): a /dev/shm too small to hold them
+        raises OSError here, naming the sizes, instead of a SIGBUS at the first write past its end."""
         if nbytes <= self.nbytes and self.buffers:
             return False
         self.close()
+        free = shm_free_bytes()
+        if free is not None and free < nbytes * self.n_buffers:
+            raise OSError(f"shared memory: {self.n_buffers} × {nbytes / 2**20:.0f} MiB needed, {SHM_DIR} has "
+                          f"{free / 2**20:.0f} MiB free")
         for _ in range(self.n_buffers):
             shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self._shms.append(shm)
+            fd = getattr(shm, "_fd", -1)
+            if fd >= 0:
+                try:
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))
+                except OSError as e:
+                    self.close()
+                    raise OSError(f"shared memory: reserving {nbytes / 2**20:.0f} MiB in {SHM_DIR} failed: "
+                                  f"{e.strerror or e}") from None
             self.buffers.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes))
         self.nbytes = nbytes
         return True
@@ -55,14 +69,32 @@ class ShmTransport:
         self.nbytes = 0
 
 
-def attach(payload: Dict):
-    """Engine side: map the segments named in `payload`; returns (buffers, handles to keep)."""
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes():
+    """Free bytes of the shared-memory filesystem, None where there is none to ask."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def attach(payload: Dict, track: bool = True):
+    """Engine side: map the segments named in `payload`; returns (buffers, handles to keep).
+    `track=False` for a process that is not the creator's child (a Ray actor): it has a resource
+    tracker of its own, which would unlink the creator's segment when this process exits."""
     shms, buffers = [], []
     for name in payload["names"]:
         # Python < 3.13 registers the segment with this process's resource tracker again; a
         # spawned child shares its parent's tracker, where the name is already registered, so no
         # unregister here (it would make the creator's unlink fail in the tracker).
         shm = shared_memory.SharedMemory(name=name)
+        if not track:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(shm._name, "shared_memory")
         shms.append(shm)
         buffers.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=payload["nbytes"]))
     return buffers, shms

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fastgrpo.models import lora
+from fastgrpo.sync.broadcast import StagingBuffers
 
 
 def _pin_threads(n: int) -> None:
@@ -44,6 +45,17 @@ def _pin_threads(n: int) -> None:
     with a no-op in the process, hence torch._C's setter."""
     if torch.get_num_threads() != n:
         torch._C._set_num_threads(n)
+
+
+def _node_id() -> Optional[str]:
+    """The Ray node this process runs on (None outside Ray): rank 0 sends through shared memory
+    only to workers on its own node."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 — no runtime context: not a Ray worker
+        return None
 
 
 class _MidCall:
@@ -98,10 +110,12 @@ class RolloutWorker:
                                    "requests with model.lora.sync=adapter (a request keeps the adapter it was "
                                    "submitted with); set model.lora.sync=merged or rollout.inflight=wait")
             self.engine.inflight = _MidCall(self, inflight)
-        self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums) waiting for the next call
+        self._staged: Optional[tuple] = None  # (version, {name: tensor}, checksums, buffers) waiting for the next call
+        self._buffers = StagingBuffers()  # the staged tensors' buffers, reused by the next broadcasts
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # notified when a version is staged
         self._group = None
+        self._shm = None  # the mapping of rank 0's segment (sync.transport=shm)
         self._faults: Dict[str, int] = {}
         self._idle_s = 0.0
         self._last_end: Optional[float] = None
@@ -110,7 +124,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ sync thread
     def ready(self) -> Dict:
         return {"pid": os.getpid(), "index": self.index, "device": self.device, "engine": self.kind,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "node": _node_id()}
 
     def join_group(self, host: str, port: int, rank: int, world_size: int, timeout: float, device: str = "cpu") -> int:
         from fastgrpo.sync.broadcast import BroadcastGroup
@@ -118,23 +132,43 @@ class RolloutWorker:
         self._group = BroadcastGroup(host, port, rank, world_size, timeout, device=device)
         return rank
 
-    def receive_weights(self, version: int, buckets: List[List[tuple]]) -> tuple:
-        """Receive a broadcast (collective with rank 0) and stage it; returns (version, checksums
-        of the staged tensors) for rank 0 to verify."""
-        from fastgrpo.sync.broadcast import checksums, receive
+    def receive_weights(self, version: int, buckets: List[List[tuple]], shm: Optional[Dict] = None) -> tuple:
+        """Receive a broadcast — a collective with rank 0 over the group, or with `shm` (rank 0's
+        segment on this node, sync.transport) a copy out of it — and stage it; returns (version,
+        checksums of the staged tensors) for rank 0 to verify."""
+        from fastgrpo.sync.broadcast import ShmReceiver, checksums, receive
 
         corrupt = self._faults.pop("corrupt_bucket", None)
-        named = receive(self._group, buckets, f"weight broadcast of version {version}", corrupt_bucket=corrupt)
+        what = f"weight broadcast of version {version}"
+        bufs = []
+
+        def alloc(nbytes, device):
+            bufs.append(self._buffers.take(nbytes, device))
+            return bufs[-1]
+
+        try:
+            if shm is not None:
+                if self._shm is None:
+                    self._shm = ShmReceiver()
+                named = self._shm.receive(shm, buckets, what, corrupt_bucket=corrupt, alloc=alloc)
+            else:
+                named = receive(self._group, buckets, what, corrupt_bucket=corrupt, alloc=alloc)
+        except BaseException:
+            self._buffers.give(bufs)
+            raise
         sums = checksums(named.items())
-        self._stage(version, named, sums)
+        self._stage(version, named, sums, bufs)
         return version, sums
 
-    def _stage(self, version: int, named: Dict, sums: Dict) -> None:
+    def _stage(self, version: int, named: Dict, sums: Dict, bufs=()) -> None:
         """Hold received weights (the second buffer) until the gen thread loads them: at its next
-        call, or between two decode steps of the running one (rollout.inflight=keep | abort)."""
+        call, or between two decode steps of the running one (rollout.inflight=keep | abort).
+        Weights staged and never loaded (a newer version arrived first) give their buffers back."""
         with self._lock:
-            self._staged = (version, named, sums)
+            old, self._staged = self._staged, (version, named, sums, list(bufs))
             self._arrived.notify_all()
+        if old is not None:
+            self._buffers.give(old[3])
 
     def set_version(self, version: int) -> int:
         """The trainer's weights did not change (no update applied): the held ones are `version` too."""
@@ -142,7 +176,7 @@ class RolloutWorker:
             if self._staged is not None:
                 self._staged = (version,) + self._staged[1:]
             else:
-                self._staged = (version, None, None)
+                self._staged = (version, None, None, [])
             self._arrived.notify_all()
         return version
 
@@ -152,6 +186,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Release the engine (vLLM's engine process) before the actor is killed."""
+        if self._shm is not None:
+            self._shm.close()
         if self.kind == "vllm":
             self.engine.close()
 
@@ -167,18 +203,22 @@ class RolloutWorker:
             staged, self._staged = self._staged, None
         if staged is None:
             return
-        version, named, sums = staged
+        version, named, sums, bufs = staged
         module = self.engine.model if self.kind == "torch" else getattr(self.engine, "lora_module", None)
-        if named is not None and module is not None and lora.is_lora(module):
-            self._load_lora(module, named, sums, version)
-        elif named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
-            self.engine.update_weights(list(named.items()))
-        elif named is not None:
-            copy_weights(self.engine.model, named.items())
-            params = dict(self.engine.model.named_parameters())
-            loaded = checksums((n, params[n]) for n in named if n in params)
-            verify({n: sums[n] for n in loaded}, loaded, f"rollout worker {self.index} (after loading)",
-                   version, version)
+        try:
+            if named is not None and module is not None and lora.is_lora(module):
+                self._load_lora(module, named, sums, version)
+            elif named is not None and self.kind == "vllm":  # its bucketed sync into the engine (fused layers: no names to re-check)
+                self.engine.update_weights(list(named.items()))
+            elif named is not None:
+                copy_weights(self.engine.model, named.items())
+                params = dict(self.engine.model.named_parameters())
+                loaded = checksums((n, params[n]) for n in named if n in params)
+                verify({n: sums[n] for n in loaded}, loaded, f"rollout worker {self.index} (after loading)",
+                       version, version)
+        finally:
+            del named
+            self._buffers.give(bufs)  # every load copies out of them
         self.version = version
 
     def _load_lora(self, module, named: Dict, sums: Dict, version: int) -> None:
