@@ -173,9 +173,10 @@ class WorkerPool:
 
     def _choose_transport(self, step: int) -> str:
         """sync.transport: `shm` (one shared-memory segment, each worker copies out of it: a pack
-        and a copy instead of gloo's socket round trips, ~0.2 s of CPU a side instead of 0.5–0.7 s
-        for SmolLM2-135M's 538 MB) needs every worker on this Ray node; `auto` takes it for CPU
-        workers there and the group otherwise (GPU workers: NCCL; a worker on another node)."""
+        and a copy instead of gloo's socket round trips; SmolLM2-135M's 538 MB cost 0.15 s of
+        rank 0's CPU instead of 0.64 s, benchmarks/bench_broadcast.py) needs every worker on this
+        Ray node; `auto` takes it for CPU workers there and the group otherwise (GPU workers:
+        NCCL; a worker on another node)."""
         import ray
 
         want = self.cfg.sync.transport
@@ -195,7 +196,11 @@ class WorkerPool:
         worker i is rank i + 1 — or rank 0's shared memory (nothing to form)."""
         import ray
 
-        self.transport = self._choose_transport(step)
+        transport = self._choose_transport(step)
+        if transport != self.transport:
+            self.log(f"[fastgrpo] weight broadcasts to the rollout workers: "
+                     f"{'shared memory (every worker on this node)' if transport == 'shm' else 'over a process group'}")
+        self.transport = transport
         if self.transport == "shm":
             self.group = None
             return
