@@ -131,11 +131,11 @@ class StagingBuffers:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give(self, bufs: Sequence[torch.Tensor]) -> None:
-        with self._lock:
+        if any(b.is_cuda for b in bufs):  # copies out of them may still be queued on the stream
+            torch.cuda.synchronize()
+        with self._lock:  # no cap: never more than the most ever lent at once (staged + arriving + loading)
             for b in bufs:
-                free = self._free.setdefault(b.numel(), [])
-                if len(free) < 2:  # at most two syncs' worth kept (the staged one and the one arriving)
-                    free.append(b)
+                self._free.setdefault(b.numel(), []).append(b)
 
 
 def plan(named: Named, bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[tuple]]:

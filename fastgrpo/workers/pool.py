@@ -224,9 +224,13 @@ class WorkerPool:
         if key != self._plan_key:
             self._plan_key, self._plan = key, bc.plan(named, self.bucket_bytes)
         what = f"weight broadcast of version {version} at step {step}"
+        # sent along: a worker stages only tensors that match them, so it never samples from weights
+        # that fail the verification below (it would until rank 0 had compared, and ends the run then)
+        expected = bc.checksums(named)
         if self.transport == "shm":
-            return self._broadcast_shm(named, version, step, what, t0)
-        refs = [a.receive_weights.options(concurrency_group="sync").remote(version, self._plan) for a in self.actors]
+            return self._broadcast_shm(named, version, step, what, t0, expected)
+        refs = [a.receive_weights.options(concurrency_group="sync").remote(version, self._plan, None, expected)
+                for a in self.actors]
         try:
             bc.send(self.group, named, self._plan, what)
         except bc.BroadcastError as e:
@@ -236,13 +240,12 @@ class WorkerPool:
                 raise WorkerDied(dead[0], f"{self.name(dead[0])} died during the {what}") from None
             raise WorkerError(f"{e} (workers {[self.name(i) for i in range(self.n)]})") from None
         self.note_bytes(named)
-        expected = bc.checksums(named)  # while the workers compute theirs
         results = self.get(refs, range(self.n), what, step)
         for i, (got_version, sums) in enumerate(results):
             bc.verify(expected, sums, f"{self.name(i)} at step {step}", version, got_version)
         return time.perf_counter() - t0
 
-    def _broadcast_shm(self, named, version: int, step: int, what: str, t0: float) -> float:
+    def _broadcast_shm(self, named, version: int, step: int, what: str, t0: float, expected: Dict) -> float:
         import ray
 
         from fastgrpo.sync.shm import ShmTransport
@@ -259,10 +262,9 @@ class WorkerPool:
             self.channel.close()
             self.form_group(step)
             return self.broadcast(named, version, step)
-        refs = [a.receive_weights.options(concurrency_group="sync").remote(version, self._plan, payload)
+        refs = [a.receive_weights.options(concurrency_group="sync").remote(version, self._plan, payload, expected)
                 for a in self.actors]
         self.note_bytes(named)
-        expected = bc.checksums(named)  # while the workers copy theirs out
         # every worker is done with the segment before anything is raised: a recovery packs into it again
         ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
         results = self.get(refs, range(self.n), what, step)

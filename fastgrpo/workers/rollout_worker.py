@@ -132,10 +132,13 @@ class RolloutWorker:
         self._group = BroadcastGroup(host, port, rank, world_size, timeout, device=device)
         return rank
 
-    def receive_weights(self, version: int, buckets: List[List[tuple]], shm: Optional[Dict] = None) -> tuple:
+    def receive_weights(self, version: int, buckets: List[List[tuple]], shm: Optional[Dict] = None,
+                        expected: Optional[Dict[str, int]] = None) -> tuple:
         """Receive a broadcast — a collective with rank 0 over the group, or with `shm` (rank 0's
         segment on this node, sync.transport) a copy out of it — and stage it; returns (version,
-        checksums of the staged tensors) for rank 0 to verify."""
+        checksums of the received tensors) for rank 0 to verify. With rank 0's `expected`
+        checksums, weights that differ from them are not staged: the worker goes on with the
+        version it holds and never samples from them (rank 0's verification stops the run)."""
         from fastgrpo.sync.broadcast import ShmReceiver, checksums, receive
 
         corrupt = self._faults.pop("corrupt_bucket", None)
@@ -157,6 +160,10 @@ class RolloutWorker:
             self._buffers.give(bufs)
             raise
         sums = checksums(named.items())
+        if expected is not None and any(sums.get(n) != v for n, v in expected.items()):
+            del named
+            self._buffers.give(bufs)
+            return version, sums
         self._stage(version, named, sums, bufs)
         return version, sums
 

@@ -89,6 +89,12 @@ def test_a_corrupted_bucket_is_caught_naming_worker_and_tensor(pool, ray_local):
         pool.broadcast(named, version=5, step=5)
     msg = str(e.value)
     assert "rollout worker 1" in msg and "step 5" in msg and "tensor 'model." in msg and "corrupted" in msg
+    # the corrupted copy was never staged: worker 1 samples on under version 4, worker 0 took 5
+    from fastgrpo.rollout.base import SamplingConfig
+
+    outs = ray_local.get([pool.submit(i, 3, [[5, 6, 7]], 2, SamplingConfig(max_new_tokens=3), [11])
+                          for i in range(pool.n)], timeout=60)
+    assert [o["version"] for o in outs] == [5, 4]
     pool.broadcast(named, version=6, step=6)  # the next sync is clean again
 
 

@@ -107,6 +107,42 @@ def test_weights_staged_during_a_call_load_between_decode_steps(tmp_path, mode):
     assert all(torch.equal(params[n], t) for n, t in w1.items())  # loaded, and verified by checksum
 
 
+def _in_buffers(w, named):
+    """`named` copied into buffers lent by the worker's StagingBuffers, as receive_weights stages them."""
+    bufs, out = [], {}
+    for n, t in named.items():
+        b = w._buffers.take(t.numel() * t.element_size(), None)
+        bufs.append(b)
+        out[n] = b.view(t.dtype).view(t.shape)
+        out[n].copy_(t)
+    return out, bufs
+
+
+def test_staged_buffers_go_back_once_loaded_or_superseded(tmp_path):
+    """A version superseded before any call loaded it gives its buffers back at once; the loaded
+    one after its load (checked by checksum) — the next broadcasts reuse them, no sync allocates
+    again, and what loaded is the newest version's values, not a buffer's later contents."""
+    from fastgrpo.rollout.base import SamplingConfig
+    from fastgrpo.sync.broadcast import checksums
+
+    w, w0 = _real_worker(tmp_path, "wait")
+    w.generate(1, [[3, 4]], 2, SamplingConfig(max_new_tokens=2), min_version=0)
+    v1, bufs1 = _in_buffers(w, {n: t + 0.1 for n, t in w0.items()})
+    w._stage(1, v1, checksums(v1.items()), bufs1)
+    w2 = {n: t + 0.2 for n, t in w0.items()}
+    v2, bufs2 = _in_buffers(w, w2)
+    assert not {b.data_ptr() for b in bufs1} & {b.data_ptr() for b in bufs2}
+    w._stage(2, v2, checksums(v2.items()), bufs2)  # version 1 was never loaded: superseded
+    free = lambda: {b.data_ptr() for lst in w._buffers._free.values() for b in lst}  # noqa: E731
+    assert free() == {b.data_ptr() for b in bufs1}
+    out = w.generate(2, [[3, 4]], 2, SamplingConfig(max_new_tokens=2), min_version=2)
+    assert out["version"] == 2 and free() == {b.data_ptr() for b in bufs1 + bufs2}
+    params = dict(w.engine.model.named_parameters())
+    for b in bufs1 + bufs2:
+        b.fill_(7)  # the buffers are the next broadcasts' now: the model holds its own copy
+    assert all(torch.equal(params[n], t) for n, t in w2.items())
+
+
 def test_a_corrupted_tensor_loaded_mid_call_stops_the_call_naming_worker_and_tensor(tmp_path):
     from fastgrpo.rollout.base import SamplingConfig
     from fastgrpo.sync.broadcast import SyncVerificationError, checksums
