@@ -12,8 +12,10 @@ buffers are in flight: rank 0 packs bucket k+1 while bucket k is on the wire, a 
 unpacks bucket k while k+1 arrives (into a buffer per bucket, whose views it keeps: the staged
 weights are the receiver's second copy, loaded between generate calls). Every sync is verified: `checksums` sums the bit patterns of
 each tensor as integers (exact and order-free, so two processes with different thread counts
-agree), the receiver returns them with the version it staged, and `verify` names the first
-tensor that differs. Every collective waits at most `timeout` seconds and raises
+agree), the receiver returns them with the version it received, and `verify` names the first
+tensor that differs; rank 0 also sends its own with the broadcast, and a receiver stages only
+weights that match them (fastgrpo/workers/rollout_worker.py), so it never samples from a copy that
+fails the check. Every collective waits at most `timeout` seconds and raises
 `BroadcastError` naming the operation and bucket instead of hanging.
 
 Workers on rank 0's node (sync.transport=auto on CPU, or shm) skip the group: rank 0 packs every
