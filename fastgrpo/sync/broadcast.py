@@ -217,7 +217,7 @@ def send_shm(channel, named: Named, buckets: List[List[tuple]]) -> Dict:
     """Rank 0, every receiver on this node (sync.transport=shm): pack every bucket into one
     shared-memory segment (`fastgrpo.sync.shm.ShmTransport`, grown when needed) and return what
     the receivers attach to. The caller must not pack again before every receiver has returned
-    (`receive_shm` copies out of the segment before it does)."""
+    (`ShmReceiver.receive` copies out of the segment before it does)."""
     tensors = dict(named)
     plan_ = [[TensorSlice.coerce(e) for e in b] for b in buckets]
     offsets, total = shm_layout(buckets)

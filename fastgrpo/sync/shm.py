@@ -8,6 +8,7 @@ process or in vLLM's engine-core process. The engine loads the views with its wo
 """
 from __future__ import annotations
 
+import errno
 import os
 from multiprocessing import shared_memory
 from typing import Dict, List
@@ -41,13 +42,15 @@ class ShmTransport:
             shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self._shms.append(shm)
             fd = getattr(shm, "_fd", -1)
-            if fd >= 0:
+            if fd >= 0 and hasattr(os, "posix_fallocate"):
                 try:
                     os.posix_fallocate(fd, 0, max(nbytes, 1))
                 except OSError as e:
-                    self.close()
-                    raise OSError(f"shared memory: reserving {nbytes / 2**20:.0f} MiB in {SHM_DIR} failed: "
-                                  f"{e.strerror or e}") from None
+                    # a filesystem that cannot reserve: the free-space check above stands alone
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        self.close()
+                        raise OSError(f"shared memory: reserving {nbytes / 2**20:.0f} MiB in {SHM_DIR} failed: "
+                                      f"{e.strerror or e}") from None
             self.buffers.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes))
         self.nbytes = nbytes
         return True

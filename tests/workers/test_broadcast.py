@@ -210,3 +210,32 @@ def test_a_dev_shm_too_small_falls_back_to_the_group_or_stops_naming_it(ray_loca
         p.broadcast(named, version=2, step=1)
     finally:
         p.close()
+
+
+def test_a_segment_the_filesystem_cannot_reserve_fails_naming_it(monkeypatch):
+    """posix_fallocate reserves the segment's pages at creation: a full /dev/shm raises OSError
+    naming the size (instead of a SIGBUS at the first write); a filesystem without reservation
+    (EOPNOTSUPP) keeps the segment, checked by free space alone."""
+    import errno
+    import os
+
+    from fastgrpo.sync import shm
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    t = shm.ShmTransport(n_buffers=1)
+    with pytest.raises(OSError, match=r"shared memory: reserving 1 MiB in /dev/shm failed: No space left on device"):
+        t.ensure(1 << 20)
+    assert t.buffers == [] and t.nbytes == 0
+
+    def unsupported(fd, off, n):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    try:
+        assert t.ensure(1 << 20) and len(t.buffers) == 1 and t.buffers[0].numel() == 1 << 20
+        t.buffers[0][-1] = 7
+    finally:
+        t.close()
