@@ -63,10 +63,11 @@ class ShmTransport:
         for shm in self._shms:
             try:
                 shm.close()
+            except BufferError:  # a view is still alive (e.g. the engine in this process): the mapping goes with it
+                pass
+            try:  # the name goes now either way (a mapping stays valid): a name is only freed by unlink
                 shm.unlink()
-            except (BufferError, FileNotFoundError):
-                # a view is still alive somewhere (e.g. the engine in this process); the segment
-                # is unlinked with the last mapping
+            except FileNotFoundError:
                 pass
         self._shms = []
         self.nbytes = 0

@@ -239,3 +239,26 @@ def test_a_segment_the_filesystem_cannot_reserve_fails_naming_it(monkeypatch):
         t.buffers[0][-1] = 7
     finally:
         t.close()
+
+
+def test_closing_a_segment_removes_its_name_even_when_close_refuses(monkeypatch):
+    """SharedMemory.close raises BufferError while a view of it is exported (an engine in this
+    process); the segment's name must go anyway — a POSIX name outlives its mappings, and a
+    process killed later (a Ray actor) would leave it in /dev/shm for good."""
+    import os
+    from multiprocessing import shared_memory
+
+    from fastgrpo.sync import shm
+
+    t = shm.ShmTransport(n_buffers=2)
+    t.ensure(4096)
+    names = [s.name for s in t._shms]
+    real = shared_memory.SharedMemory.close
+
+    def refuse(self):
+        raise BufferError("cannot close exported pointers exist")
+
+    monkeypatch.setattr(shared_memory.SharedMemory, "close", refuse)
+    t.close()
+    monkeypatch.setattr(shared_memory.SharedMemory, "close", real)
+    assert not any(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in names)
