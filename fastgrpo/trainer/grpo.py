@@ -47,7 +47,8 @@ from fastgrpo.rewards.combine import score_groups
 from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimizer, build_rollout_engine, build_task,
                                     check_sync_sampling, model_context_len, sampling_config)
 from fastgrpo.trainer.collectives import all_gather, all_reduce_metrics, shard
-from fastgrpo.trainer.metrics import MetricsLogger, Timers, rollout_metrics
+from fastgrpo.logs.metrics import MetricsLogger, Timers
+from fastgrpo.trainer.step_metrics import rollout_metrics
 from fastgrpo.trainer.resume import CheckpointMixin
 from fastgrpo.trainer.update import TrainingStopped, UpdateMixin
 
@@ -361,7 +362,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
     # ------------------------------------------------------------------ run / state
     def train(self, progress=None, on_step=None) -> Dict[str, float]:
         """Run steps until cfg.steps; checkpoint at the end. Returns the last step's metrics."""
-        from fastgrpo.trainer.runfolder import TrainingInterrupted
+        from fastgrpo.runs.folder import TrainingInterrupted
 
         last: Dict[str, float] = {}
         while self.step_num < self.cfg.steps:
@@ -377,7 +378,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
 
     def request_stop(self, signum: int) -> None:
         """Finish the current step, checkpoint and raise TrainingInterrupted (a signal handler
-        calls this: fastgrpo.trainer.runfolder.graceful_signals)."""
+        calls this: fastgrpo.runs.folder.graceful_signals)."""
         self._stop_signal = signum
         # step() has already counted the step in progress; between steps the loop stops before the next one
         last = self.step_num if getattr(self, "_step_started", False) else self.step_num + 1

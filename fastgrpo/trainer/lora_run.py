@@ -154,7 +154,7 @@ def export_merged(run: str, out: str, dtype: Optional[str] = None) -> str:
     that transformers and vLLM load without PEFT. Returns `out`."""
     from fastgrpo.config import ModelConfig
     from fastgrpo.trainer.build import build_model, resolve_model_dir
-    from fastgrpo.trainer.checkpoint import save_model_atomic
+    from fastgrpo.runs.checkpoint import save_model_atomic
 
     path = resolve_model_dir(run)
     if not lora.is_adapter_dir(path):

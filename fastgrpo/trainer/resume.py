@@ -1,5 +1,5 @@
 """Checkpoint and resume of `fastgrpo.trainer.grpo.Trainer` (a mixin: the methods read and set the
-trainer's state). Files are written by `fastgrpo.trainer.checkpoint` (atomic temp directory + rename,
+trainer's state). Files are written by `fastgrpo.runs.checkpoint` (atomic temp directory + rename,
 checksums written last); with several ranks every rank adds its own RNG state, and under
 DeepSpeed its optimizer partition, into rank 0's temp directory before the rename. Resume
 verifies the checkpoint before restoring anything; `checkpoint.resume=auto` takes the newest
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 from fastgrpo.models import lora
 
 
@@ -20,7 +20,7 @@ class CheckpointMixin:
     def save(self) -> Optional[str]:
         """Checkpoint (collective). Rank 0 writes the model, curriculum and extras; with several
         ranks every rank also writes its RNG state (and, under DeepSpeed, its optimizer
-        partition) into rank 0's temp directory before the atomic rename (fastgrpo/trainer/checkpoint.py).
+        partition) into rank 0's temp directory before the atomic rename (fastgrpo/runs/checkpoint.py).
         Returns the path on rank 0."""
         from fastgrpo.trainer.collectives import all_gather
         from fastgrpo.trainer.backend import barrier

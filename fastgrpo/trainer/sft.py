@@ -28,7 +28,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from fastgrpo.config import TrainConfig
-from fastgrpo.trainer.metrics import MetricsLogger
+from fastgrpo.logs.metrics import MetricsLogger
 
 
 def sft_examples(task, problems, rng: random.Random, noise: float):
@@ -141,7 +141,7 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
         if logger is not None:
             logger.close()
     if out_dir:
-        from fastgrpo.trainer.checkpoint import save_model_atomic
+        from fastgrpo.runs.checkpoint import save_model_atomic
 
         from fastgrpo.trainer.lora_run import checkpoint_model
 
@@ -156,7 +156,7 @@ def sft_model_problem(sft_dir: str) -> Optional[str]:
     """Why the saved SFT model `sft_dir` must not be used (None when it may): a folder with a
     completion marker is verified against every file's size and sha256; one without (an older
     run's, or a save torn before its marker) is left to the load to judge."""
-    from fastgrpo.trainer import checkpoint as ckpt
+    from fastgrpo.runs import checkpoint as ckpt
 
     if not os.path.exists(os.path.join(sft_dir, ckpt.MODEL_MARKER)):
         return None

@@ -46,7 +46,7 @@ def start_ray(cfg, log=print) -> None:
             import tempfile
 
             # Ray's sockets live under its temp dir and AF_UNIX paths stop at 107 bytes: a run's
-            # own tmp folder (<out_dir>/tmp, fastgrpo.trainer.runfolder) is often longer
+            # own tmp folder (<out_dir>/tmp, fastgrpo.runs.folder) is often longer
             tmp = None if len(tempfile.gettempdir()) <= 24 else "/tmp/ray"
             try:
                 ray.init(num_cpus=max(cpus, 1), num_gpus=gpus, object_store_memory=c.object_store_mb << 20,

@@ -194,7 +194,7 @@ def test_what_a_user_reward_prints_reaches_the_run_log(tmp_path, capfd):
     handler = logging.FileHandler(log)
     lg = logging.getLogger(OUTPUT_LOGGER)
     level = lg.level
-    lg.addHandler(handler)  # what fastgrpo.trainer.console.quiet_console does for a run
+    lg.addHandler(handler)  # what fastgrpo.logs.console.quiet_console does for a run
     lg.setLevel(logging.INFO)
     try:
         r = build_rewards(_rc(f"{path}:chatty"), Task(), 64)
@@ -208,7 +208,7 @@ def test_what_a_user_reward_prints_reaches_the_run_log(tmp_path, capfd):
     assert text.count("chatty sees 2 completions") == 2 and text.count("chatty is deprecated") == 1  # a warning once
     out, err = capfd.readouterr()
     assert "chatty" not in out + err
-    from fastgrpo.trainer.console import LIBRARY_LOGGERS
+    from fastgrpo.logs.console import LIBRARY_LOGGERS
 
     assert OUTPUT_LOGGER in LIBRARY_LOGGERS
 
@@ -219,7 +219,7 @@ def test_a_signal_during_an_in_process_reward_is_announced_on_the_console(tmp_pa
     (it used to end up in log.txt among the reward's output), and the handlers are restored."""
     import signal
 
-    from fastgrpo.trainer.runfolder import graceful_signals
+    from fastgrpo.runs.folder import graceful_signals
 
     path = _module(tmp_path, "signalled_rewards", """
         import os, signal

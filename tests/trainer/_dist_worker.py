@@ -153,7 +153,7 @@ def run_trainer(out_dir: str, stage: int):
     """ZeRO-2: gradient poison at step 1, a checkpoint every step, then a second Trainer resumed
     from step 2 runs step 3 (exact resume). ZeRO-3: hidden-state poison at step 1, gradient
     poison at step 2, β > 0 (reference model), K = 2 (old log-probs through the engine)."""
-    from fastgrpo.trainer import checkpoint as ckpt
+    from fastgrpo.runs import checkpoint as ckpt
 
     run = os.path.join(out_dir, f"trainer{stage}")
     extra = ["checkpoint.every=1", "checkpoint.keep_last=2"] if stage == 2 else \

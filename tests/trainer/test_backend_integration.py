@@ -10,7 +10,7 @@ import pytest
 import torch
 from trainer_helpers import NoisyTask
 
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 from fastgrpo import cli
 from fastgrpo.trainer.backend import zero_weighted_loss
 from fastgrpo.trainer.grpo import Trainer

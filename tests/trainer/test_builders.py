@@ -9,7 +9,7 @@ import torch
 from fastgrpo.trainer.build import build_model, build_optimizer, build_task
 from fastgrpo.config import load_config
 from fastgrpo.tasks.arithmetic import ArithmeticTask, accuracy_reward, format_reward
-from fastgrpo.trainer.metrics import MetricsLogger, make_plots, read_metrics
+from fastgrpo.logs.metrics import MetricsLogger, make_plots, read_metrics
 
 
 def _lrs(schedule, steps=10, warmup=2, floor=0.1):

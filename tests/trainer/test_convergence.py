@@ -24,7 +24,7 @@ import torch
 
 from fastgrpo.demo.default import default_config
 from fastgrpo.pipeline import run_train
-from fastgrpo.trainer.metrics import read_metrics
+from fastgrpo.logs.metrics import read_metrics
 
 SEED = 0
 GRPO_STEPS = 80

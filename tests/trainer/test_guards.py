@@ -16,7 +16,7 @@ from trainer_helpers import TINY, NoisyTask
 
 from fastgrpo.config import load_config
 from fastgrpo.trainer.grpo import Trainer, TrainingStopped
-from fastgrpo.trainer.runfolder import graceful_signals, run_tmpdir
+from fastgrpo.runs.folder import graceful_signals, run_tmpdir
 
 
 def test_float16_is_refused_at_load_with_the_reason():
@@ -134,7 +134,7 @@ def test_sigterm_checkpoints_cleans_and_resumes(tmp_path):
 
 def test_a_second_run_on_a_locked_folder_is_refused_with_the_holder(cfg_factory):
     from fastgrpo.pipeline import run_train
-    from fastgrpo.trainer.runlock import RunLock, RunLockError
+    from fastgrpo.runs.lock import RunLock, RunLockError
 
     cfg = cfg_factory("steps=1")
     with RunLock(cfg.logging.out_dir, log=lambda m: None):
@@ -157,7 +157,7 @@ def test_a_torn_sft_folder_is_moved_aside_and_sft_runs_again(cfg_factory):
     assert any("SFT cold start: 1 steps" in m for m in logs)
     parent = os.path.dirname(sft)
     assert [d for d in os.listdir(parent) if d.startswith("model.broken-")], "the torn folder must be kept"
-    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+    from fastgrpo.runs.checkpoint import is_complete_model_dir
 
     assert is_complete_model_dir(sft)
 

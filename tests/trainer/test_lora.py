@@ -210,7 +210,7 @@ def test_sft_then_grpo_trains_the_adapter(cfg_factory, tmp_path):
 
 
 def test_a_damaged_adapter_in_a_checkpoint_is_caught(cfg_factory, tmp_path):
-    from fastgrpo.trainer import checkpoint as ckpt
+    from fastgrpo.runs import checkpoint as ckpt
 
     t = Trainer(cfg_factory(*LORA, f"logging.out_dir={tmp_path / 'a'}"), task=NoisyTask(), log=_quiet)
     t.step()
@@ -234,7 +234,7 @@ def test_sft_under_lora_saves_its_adapter_and_a_rerun_reuses_it(cfg_factory):
     from safetensors.torch import load_file
 
     from fastgrpo.pipeline import run_train
-    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+    from fastgrpo.runs.checkpoint import is_complete_model_dir
 
     args = (*LORA, "steps=0", "sft_first=true", "sft.steps=2", "data.num_heldout=0")
     cfg = cfg_factory(*args)

@@ -10,7 +10,7 @@ import pytest
 
 from fastgrpo.config import load_config
 from fastgrpo.pipeline import run_train
-from fastgrpo.trainer.metrics import read_metrics
+from fastgrpo.logs.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from trainer_helpers import NoisyTask, stale_trainer
 
-from fastgrpo.trainer.metrics import nvtx_range, set_nvtx
+from fastgrpo.logs.metrics import nvtx_range, set_nvtx
 from fastgrpo.pipeline import run_train
 from fastgrpo.trainer.grpo import Trainer, TrainingStopped
 

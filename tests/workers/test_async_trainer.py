@@ -71,8 +71,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_nothing_is_lost(ray_local, tmp
 
 
 def test_sigterm_checkpoints_the_buffer_and_resume_trains_each_prompt_once(ray_local, tmp_path):
-    from fastgrpo.trainer import checkpoint as ckpt
-    from fastgrpo.trainer.runfolder import TrainingInterrupted, graceful_signals
+    from fastgrpo.runs import checkpoint as ckpt
+    from fastgrpo.runs.folder import TrainingInterrupted, graceful_signals
 
     cfg = async_cfg(tmp_path, "rollout.max_staleness=2", "steps=6", "checkpoint.at_end=true")
     tr = _trainer(cfg)

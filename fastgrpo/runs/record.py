@@ -69,7 +69,7 @@ def records(out_dir: str) -> List[str]:
 
 def has_saved_state(out_dir: str) -> bool:
     """A GRPO checkpoint or a saved SFT model: something a resume would continue from."""
-    from fastgrpo.trainer.checkpoint import list_checkpoints
+    from fastgrpo.runs.checkpoint import list_checkpoints
 
     return bool(list_checkpoints(out_dir)) or os.path.isdir(os.path.join(out_dir, "sft", "model"))
 

@@ -1,7 +1,7 @@
 """The JSON-lines records of a run folder (metrics.jsonl, samples.jsonl, eval_samples.jsonl): a
 JSON-safe scalar, the repair of a torn last line before appending, and a reader that skips torn or
-foreign lines. Shared by fastgrpo.trainer.metrics (which re-exports them) and
-fastgrpo.trainer.samples.
+foreign lines. Shared by fastgrpo.logs.metrics (which re-exports them) and
+fastgrpo.logs.samples.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ matplotlib's Agg backend (no display needed). A run killed mid-row or stopped by
 leave a torn last line; opening the file again ends that line first (`end_torn_line`), so the
 resumed run's first row starts a line of its own instead of being glued onto the fragment (and
 lost with it: `read_metrics` skips lines that do not parse). The same logger is the run's one
-fan-out for what the model wrote (fastgrpo/trainer/samples.py: `log_rollouts` → samples.jsonl, an
+fan-out for what the model wrote (fastgrpo/logs/samples.py: `log_rollouts` → samples.jsonl, an
 evaluation's completions → eval_samples.jsonl, both also as TensorBoard text tables) and for
-Weights & Biases when `logging.wandb` asks for it (fastgrpo/trainer/wandb_logger.py).
+Weights & Biases when `logging.wandb` asks for it (fastgrpo/logs/wandb_logger.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from fastgrpo import env
-from fastgrpo.trainer.jsonl import end_torn_line, json_value, read_metrics  # noqa: F401  (re-exported)
+from fastgrpo.logs.jsonl import end_torn_line, json_value, read_metrics  # noqa: F401  (re-exported)
 
 _NVTX_FORCED: Optional[bool] = None
 
@@ -118,7 +118,7 @@ class MetricsLogger:
             except ImportError:
                 self._tb = None
         if wandb is not None and wandb.mode != "disabled":
-            from fastgrpo.trainer.wandb_logger import WandbLogger
+            from fastgrpo.logs.wandb_logger import WandbLogger
 
             self._wandb = WandbLogger(wandb, out_dir, run_config, log=log)
 
@@ -148,7 +148,7 @@ class MetricsLogger:
             self._wandb.log_scalars(step, {k: v for k, v in row.items() if k not in ("step", "time")})
         rows = getattr(metrics, "samples", None)  # an evaluation's completions (samples.EvalResult)
         if rows and self.samples_every:
-            from fastgrpo.trainer.samples import SamplesFile
+            from fastgrpo.logs.samples import SamplesFile
 
             if self._eval_samples is None:
                 self._eval_samples = SamplesFile(os.path.join(self.out_dir, "eval_samples.jsonl"), self.log_line)
@@ -162,7 +162,7 @@ class MetricsLogger:
         (the steps a resumed run redoes), whether or not this step writes."""
         if not self.enabled or not self.samples_every:
             return
-        from fastgrpo.trainer.samples import SamplesFile, select_samples
+        from fastgrpo.logs.samples import SamplesFile, select_samples
 
         if self._samples is None:
             self._samples = SamplesFile(os.path.join(self.out_dir, "samples.jsonl"), self.log_line)
@@ -176,7 +176,7 @@ class MetricsLogger:
     def _table(self, key: str, step: int, rows) -> None:
         """Rows as a TensorBoard text table (at most samples_max: Markdown of hundreds of rows
         does not render usefully) and a W&B table (all of them)."""
-        from fastgrpo.trainer.samples import flat_columns, markdown_table
+        from fastgrpo.logs.samples import flat_columns, markdown_table
 
         if self._tb is not None:
             self._tb.add_text(key, markdown_table(rows[: self.samples_max]), step)
@@ -253,33 +253,3 @@ def make_plots(out_dir: str, plots: Iterable = PLOTS) -> List[str]:
         plt.close(fig)
         written.append(out)
     return written
-
-
-def rollout_metrics(per_fn: Dict[str, object], total, zero_std, groups) -> Dict[str, object]:
-    """Reward mean/std (total and per reward function, each [prompts, G]), accuracy, completion
-    length mean/max and truncation rate, the fraction of zero-σ groups, and the pass-rate
-    histogram (how many prompts had k of G completions correct, k = 0..G); averaged over ranks
-    (length max: max over ranks). Collective under several ranks."""
-    import numpy as np
-
-    from fastgrpo.trainer.collectives import all_reduce_metrics
-
-    out = {"reward/mean": float(total.mean()), "reward/std": float(total.std())}
-    for name, r in per_fn.items():
-        out[f"reward/{name}/mean"] = float(r.mean())
-        out[f"reward/{name}/std"] = float(r.std())
-    # plain Python over the completions: exact integer sums over n give the same floats as
-    # np.mean, without building three arrays a step
-    lens = [len(c.token_ids) for g in groups for c in g]
-    out["completion/length_mean"] = sum(lens) / len(lens)
-    out["completion/length_max"] = float(max(lens))
-    out["completion/truncation_rate"] = sum(c.finish_reason == "length" for g in groups for c in g) / len(lens)
-    out["train/zero_std_frac"] = float(zero_std.mean())
-    if "accuracy" in per_fn:
-        out["train/accuracy"] = float(per_fn["accuracy"].mean())
-    out = all_reduce_metrics(out, op="mean", ops={"completion/length_max": "max"})
-    if "accuracy" in per_fn:
-        g = per_fn["accuracy"].shape[1]
-        k = np.rint(per_fn["accuracy"].mean(axis=1) * g).astype(int)
-        out["train/pass_rate_hist"] = np.bincount(np.clip(k, 0, g), minlength=g + 1).tolist()
-    return out

@@ -65,7 +65,7 @@ def stage_config(cfg):
 
 def stage_started(cfg) -> bool:
     """True when the run has an rm_stage with a checkpoint to resume from (RLVR is then done)."""
-    from fastgrpo.trainer.checkpoint import list_checkpoints
+    from fastgrpo.runs.checkpoint import list_checkpoints
 
     return bool(cfg.rm_stage.steps) and cfg.checkpoint.resume != "none" and bool(list_checkpoints(stage_dir(cfg)))
 
@@ -180,7 +180,7 @@ def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> None
 
 def _policy_path(cfg, log: Log) -> str:
     """What the stage starts from: the RLVR stage's latest checkpoint (else its SFT model)."""
-    from fastgrpo.trainer.checkpoint import latest_checkpoint
+    from fastgrpo.runs.checkpoint import latest_checkpoint
 
     out = cfg.logging.out_dir
     latest = latest_checkpoint(out, log=log)
@@ -209,10 +209,10 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
     from fastgrpo.config import dump_config
     from fastgrpo.rewards.registry import build_rewards
     from fastgrpo.trainer.build import build_model, build_task
-    from fastgrpo.trainer.checkpoint import latest_checkpoint
+    from fastgrpo.runs.checkpoint import latest_checkpoint
     from fastgrpo.trainer.evaluation import evaluate
     from fastgrpo.trainer.grpo import Trainer, seed_everything
-    from fastgrpo.trainer.runfolder import graceful_signals
+    from fastgrpo.runs.folder import graceful_signals
 
     t0 = time.perf_counter()
     scfg = stage_config(cfg)

@@ -12,8 +12,8 @@ from trainer_helpers import NoisyTask
 from fastgrpo.config import load_config
 from fastgrpo.trainer.evaluation import evaluate
 from fastgrpo.trainer.grpo import Trainer
-from fastgrpo.trainer.metrics import MetricsLogger, read_metrics
-from fastgrpo.trainer.samples import SamplesFile, markdown_table, read_samples, select_samples
+from fastgrpo.logs.metrics import MetricsLogger, read_metrics
+from fastgrpo.logs.samples import SamplesFile, markdown_table, read_samples, select_samples
 
 
 def _batch(totals, versions=None):

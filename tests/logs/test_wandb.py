@@ -11,7 +11,7 @@ from trainer_helpers import NoisyTask
 
 from fastgrpo.config import WandbConfig
 from fastgrpo.trainer.grpo import Trainer
-from fastgrpo.trainer.metrics import MetricsLogger, read_metrics
+from fastgrpo.logs.metrics import MetricsLogger, read_metrics
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from fastgrpo.trainer.runlock import LOCK_NAME, RunLock, RunLockError
+from fastgrpo.runs.lock import LOCK_NAME, RunLock, RunLockError
 
 TRY = r"""
 import sys
-from fastgrpo.trainer.runlock import RunLock, RunLockError
+from fastgrpo.runs.lock import RunLock, RunLockError
 try:
     with RunLock(sys.argv[1], log=lambda m: print("LOG", m)):
         print("ACQUIRED", flush=True)

@@ -1,10 +1,10 @@
-"""The quiet console (fastgrpo/trainer/console.py): library logs go to <run>/log.txt, and a
+"""The quiet console (fastgrpo/logs/console.py): library logs go to <run>/log.txt, and a
 second run (or stage) in the same process closes the first run's file."""
 import logging
 
 import pytest
 
-from fastgrpo.trainer.console import LIBRARY_LOGGERS, quiet_console
+from fastgrpo.logs.console import LIBRARY_LOGGERS, quiet_console
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ The stage (`fusion_stage`, `fastgrpo fuse`, or `fusion.enabled` after GRPO in `f
    block, so the non-thinking target is the answer alone).
 3. SFT on the mix through the cold start's packed path (`fastgrpo.trainer.sft.run_sft`), the
    fused model saved atomically to `<run>/fusion/model`.
-4. The thinking-budget sweep before and after (`fastgrpo.trainer.budget_sweep`).
+4. The thinking-budget sweep before and after (`fastgrpo.recipes.budget_sweep`).
 
 Departures from Qwen3: the thinking traces are the RL model's own verified rollouts (Qwen3 uses
 rejection-sampled outputs of its stage-2 model on the stage-1 queries), the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fastgrpo.tasks.base import Problem
-from fastgrpo.trainer.budget_sweep import score
+from fastgrpo.recipes.budget_sweep import score
 
 Log = Callable[[str], None]
 _PROBE = "\x1ffastgrpo-probe\x1f"
@@ -205,7 +205,7 @@ class _MixTask:
 def fusion_sft(cfg, model, tokenizer, rows, out_dir: Optional[str] = None, on_step=None) -> Dict[str, float]:
     """SFT of `model` (in place) on the mix with the cold start's packed path; the fused model
     saved atomically to `<out_dir>/fusion/model` when out_dir is given."""
-    from fastgrpo.trainer.metrics import MetricsLogger
+    from fastgrpo.logs.metrics import MetricsLogger
     from fastgrpo.trainer.sft import run_sft
 
     f = cfg.fusion
@@ -227,7 +227,7 @@ def fusion_sft(cfg, model, tokenizer, rows, out_dir: Optional[str] = None, on_st
         if logger is not None:
             logger.close()
     if out_dir:
-        from fastgrpo.trainer.checkpoint import save_model_atomic
+        from fastgrpo.runs.checkpoint import save_model_atomic
 
         save_model_atomic(model, tokenizer, os.path.join(out_dir, "fusion", "model"))
     return last
@@ -244,7 +244,7 @@ def fusion_stage(cfg, model, tokenizer, task, reward_fns, engine, log: Log = pri
     """Collect → mix → SFT → sweep (before and after) for a model trained by RL; writes
     `<out>/fusion/` (model/, mix.jsonl, traces.json, metrics.jsonl, budget_sweep.json / .csv)
     and `<out>/plots/budget_sweep.png`. Returns a summary of figures."""
-    from fastgrpo.trainer.budget_sweep import full_budget_of, plot_sweep, run_sweep, write_sweep
+    from fastgrpo.recipes.budget_sweep import full_budget_of, plot_sweep, run_sweep, write_sweep
 
     f, out = cfg.fusion, cfg.logging.out_dir
     fdir = os.path.join(out, "fusion")

@@ -1,6 +1,6 @@
 """Reading side of fastgrpo checkpoints: listing, integrity check, "latest" selection, restore.
 
-The writer (`fastgrpo.trainer.checkpoint`, which re-exports every name here) leaves
+The writer (`fastgrpo.runs.checkpoint`, which re-exports every name here) leaves
 `<out>/checkpoints/step-NNNNNNNN/` complete or absent; this module decides which of them to trust.
 A checkpoint is trusted when its `checksums.json` (sha256 and size of every other file, written
 last) matches the files — the integrity scheme of a content-addressed store reduced to one manifest

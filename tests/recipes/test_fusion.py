@@ -1,5 +1,5 @@
-"""Thinking-mode fusion (fastgrpo/trainer/fusion.py) and the thinking-budget sweep
-(fastgrpo/trainer/budget_sweep.py): which traces are kept, the mix (ratio, flags, the chat
+"""Thinking-mode fusion (fastgrpo/recipes/fusion.py) and the thinking-budget sweep
+(fastgrpo/recipes/budget_sweep.py): which traces are kept, the mix (ratio, flags, the chat
 template's enable_thinking switch), SFT on the mix, the sweep's rows and budgets, `fastgrpo fuse`
 end to end, and the errors on bad input."""
 import copy
@@ -15,9 +15,9 @@ from fastgrpo.config import dump_config, load_config
 from fastgrpo.demo.default import default_config
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig
 from fastgrpo.tasks.arithmetic import ArithmeticTask
-from fastgrpo.trainer import fusion
-from fastgrpo.trainer.budget_sweep import budgets, run_sweep
-from fastgrpo.trainer.checkpoint import is_complete_model_dir, save_model_atomic
+from fastgrpo.recipes import fusion
+from fastgrpo.recipes.budget_sweep import budgets, run_sweep
+from fastgrpo.runs.checkpoint import is_complete_model_dir, save_model_atomic
 
 _FAST = ["threads=1", "data.num_heldout=40", "eval.max_problems=40", "rollout.interrupt=</think>",
          "fusion.group_size=2", "fusion.max_prompts=48", "fusion.batch_size=32", "fusion.lr=3e-3"]
@@ -240,7 +240,7 @@ def test_fusion_sft_teaches_the_direct_answer(fused):
 
 def test_sweep_rows_and_budgets(fused):
     from fastgrpo.rollout import make_engine
-    from fastgrpo.trainer.budget_sweep import full_budget_of
+    from fastgrpo.recipes.budget_sweep import full_budget_of
 
     cfg, task, tok, _, after, rewards, traces, _ = fused
     full = full_budget_of(traces)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 from fastgrpo.trainer.grpo import Trainer
 
 from trainer_helpers import NoisyTask
@@ -154,7 +154,7 @@ def test_resume_from_a_checkpoint_with_sharded_weights(tmp_path):
     merge the shards listed in model.safetensors.index.json."""
     import functools
 
-    from fastgrpo.trainer import checkpoint as ckpt_mod
+    from fastgrpo.runs import checkpoint as ckpt_mod
     from fastgrpo.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model("llama", seed=0)
@@ -175,7 +175,7 @@ def test_resume_with_an_engine_behind_the_policy_continues_exactly(cfg_factory, 
     step 2 and ends with the weights of an uninterrupted run; an explicit save while stale is
     marked and reported at resume."""
     from fastgrpo.trainer.build import build_model
-    from fastgrpo.trainer.checkpoint import list_checkpoints
+    from fastgrpo.runs.checkpoint import list_checkpoints
     from fastgrpo.rollout.torch_engine import TorchEngine
 
     def make(out, *extra):
@@ -388,9 +388,9 @@ def test_half_written_model_folder_is_not_complete(tmp_path):
 
 _KILLED_SAVE = r"""
 import sys
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/../trainer"]  # test_checkpoint imports trainer_helpers
 from test_checkpoint import _Model
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 ckpt.save_model_atomic(_Model(int(sys.argv[3]), fail="kill"), None, sys.argv[1])
 """
 

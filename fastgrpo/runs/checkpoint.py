@@ -29,7 +29,7 @@ folders (`save_model_atomic` / `is_complete_model_dir`, for the SFT model) and s
 
 This module is the writing side (temp folder, fsync, rename, prune, recovery of interrupted
 re-saves); listing, verification, "latest" selection and restore live in
-`fastgrpo.trainer.checkpoint_load` and are re-exported here, so `fastgrpo.trainer.checkpoint`
+`fastgrpo.runs.checkpoint_load` and are re-exported here, so `fastgrpo.runs.checkpoint`
 stays the one import for both.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from fastgrpo.trainer.checkpoint_load import (  # noqa: F401  (re-exported: the module's public names)
+from fastgrpo.runs.checkpoint_load import (  # noqa: F401  (re-exported: the module's public names)
     CHECKSUMS,
     MODEL_MARKER,
     CheckpointError,

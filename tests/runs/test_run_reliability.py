@@ -17,7 +17,7 @@ from trainer_helpers import TINY
 from fastgrpo import cli
 from fastgrpo.pipeline import load_run, run_train
 from fastgrpo.trainer.grpo import TrainingStopped
-from fastgrpo.trainer.runfolder import RunInterrupted, describe_os_error, graceful_signals, run_tmpdir
+from fastgrpo.runs.folder import RunInterrupted, describe_os_error, graceful_signals, run_tmpdir
 
 
 def _sets(*extra):
@@ -94,7 +94,7 @@ def test_a_damaged_sft_model_is_moved_aside_and_retrained(cfg_factory):
     assert any("SFT cold start: 1 steps" in m for m in logs), logs
     aside = [d for d in os.listdir(os.path.dirname(sft)) if d.startswith("model.broken-")]
     assert len(aside) == 1, "the damaged folder is kept, not deleted"
-    from fastgrpo.trainer.checkpoint import is_complete_model_dir
+    from fastgrpo.runs.checkpoint import is_complete_model_dir
 
     assert is_complete_model_dir(sft, verify=True)
 
@@ -104,7 +104,7 @@ def test_a_damaged_sft_model_is_moved_aside_and_retrained(cfg_factory):
                                         (errno.EACCES, "permission denied"),
                                         (errno.ENOSPC, "the disk is full")])
 def test_os_failures_at_the_run_folder_are_one_line_exit_2(tmp_path, capsys, monkeypatch, code, says):
-    from fastgrpo.trainer.runlock import RunLock
+    from fastgrpo.runs.lock import RunLock
 
     out = tmp_path / "run"
 
@@ -119,7 +119,7 @@ def test_os_failures_at_the_run_folder_are_one_line_exit_2(tmp_path, capsys, mon
 
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
-    from fastgrpo.trainer import checkpoint as ckpt
+    from fastgrpo.runs import checkpoint as ckpt
 
     out = tmp_path / "run"
     args = ["train", "--out", str(out), *_sets("steps=2", "checkpoint.every=1", "data.num_heldout=0")]
@@ -191,7 +191,7 @@ def test_temp_paths_are_absolute_for_a_relative_run_folder(tmp_path, monkeypatch
 
 KILLED = r"""
 import multiprocessing.util, sys, time
-from fastgrpo.trainer.runfolder import run_tmpdir
+from fastgrpo.runs.folder import run_tmpdir
 with run_tmpdir(sys.argv[1]):
     print(multiprocessing.util.get_temp_dir(), flush=True)
     time.sleep(300)
@@ -293,7 +293,7 @@ def test_the_cli_prints_where_an_interrupted_run_was(tmp_path, capsys, monkeypat
 
 
 def test_a_checkpoint_without_meta_json_is_reported_when_skipped(cfg_factory):
-    from fastgrpo.trainer.checkpoint import latest_checkpoint
+    from fastgrpo.runs.checkpoint import latest_checkpoint
 
     cfg = cfg_factory("steps=2", "checkpoint.every=1", "data.num_heldout=0")
     run_train(cfg, log=lambda m: None)
@@ -306,7 +306,7 @@ def test_a_checkpoint_without_meta_json_is_reported_when_skipped(cfg_factory):
 
 def test_a_signal_during_the_final_save_stops_as_it_said(cfg_factory, monkeypatch):
     from fastgrpo.trainer.grpo import Trainer
-    from fastgrpo.trainer.runfolder import TrainingInterrupted
+    from fastgrpo.runs.folder import TrainingInterrupted
 
     real = Trainer.save
 
@@ -328,7 +328,7 @@ def test_a_refused_resume_names_one_changed_field_in_the_singular(cfg_factory):
     """The line a user sees when one shape field differs (`--set model.hidden_size=96` on a run):
     "model.hidden_size 64 → 96 differs …", "differ" for several."""
     from fastgrpo.config import dump_config
-    from fastgrpo.trainer.runrecord import plan_resume
+    from fastgrpo.runs.record import plan_resume
 
     first = cfg_factory("model.hidden_size=32")
     out = first.logging.out_dir

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fastgrpo.trainer.metrics import MetricsLogger, read_metrics
+from fastgrpo.logs.metrics import MetricsLogger, read_metrics
 
 ROWS = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
 

@@ -1,6 +1,6 @@
 """RM-GRPO end to end: GRPO on the tiny policy with a reward model trained in the test as the
 only reward raises the frequency of the marker it prefers; the two-stage pipeline (RLVR, then
-RM-GRPO on a mixed prompt set, fastgrpo/trainer/stages.py) runs, logs the stage in its own
+RM-GRPO on a mixed prompt set, fastgrpo/recipes/stages.py) runs, logs the stage in its own
 folder and resumes inside the stage without running RLVR again; bad stage inputs fail at load."""
 import json
 import os
@@ -8,8 +8,8 @@ import os
 import pytest
 
 from fastgrpo.rollout.base import SamplingConfig
-from fastgrpo.trainer.checkpoint import list_checkpoints
-from fastgrpo.trainer.metrics import read_metrics
+from fastgrpo.runs.checkpoint import list_checkpoints
+from fastgrpo.logs.metrics import read_metrics
 from reward_models import MARKER, marker_rm
 from trainer_helpers import tiny_cfg
 
@@ -90,7 +90,7 @@ def test_two_stage_pipeline_runs_then_resumes_inside_the_stage(rm_path, tmp_path
 def test_mixed_prompt_set_scores_accuracy_only_where_there_is_an_answer(rm_path, tmp_path):
     from fastgrpo.rewards.registry import RewardInputs, build_rewards
     from fastgrpo.tasks.arithmetic import ArithmeticTask
-    from fastgrpo.trainer.stages import build_stage_task, stage_config
+    from fastgrpo.recipes.stages import build_stage_task, stage_config
 
     cfg = tiny_cfg(tmp_path, *_stage_args(tmp_path, rm_path))
     base = ArithmeticTask(10, 10, 0)

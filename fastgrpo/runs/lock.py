@@ -28,7 +28,7 @@ import socket
 import time
 from typing import Callable, Optional
 
-from fastgrpo.trainer.checkpoint import pid_alive
+from fastgrpo.runs.checkpoint import pid_alive
 
 LOCK_NAME = ".fastgrpo-run.lock"
 

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fastgrpo.trainer.jsonl import json_value, read_metrics
+from fastgrpo.logs.jsonl import json_value, read_metrics
 
 
 class EvalResult(dict):

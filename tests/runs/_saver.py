@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from fastgrpo.trainer import checkpoint as ckpt
+from fastgrpo.runs import checkpoint as ckpt
 
 
 def die():
