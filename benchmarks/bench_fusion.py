@@ -88,7 +88,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "fusion.json"), "w") as f:
         json.dump({"settings": DEMO_FUSION + list(args.extra), "seeds": results}, f, indent=1)
     sys.path.insert(0, ROOT)
-    from fastgrpo.trainer.budget_sweep import plot_sweep
+    from fastgrpo.recipes.budget_sweep import plot_sweep
 
     def mean(stage):
         keys = [(x["mode"], x["fraction"], x["budget"]) for x in results[0][stage]]

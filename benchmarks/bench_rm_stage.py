@@ -4,7 +4,7 @@ the reward-model stage, and the reward model's raw score on the open prompts, pe
     python benchmarks/bench_rm_stage.py --out runs/rm_stage [--steps 40] [--set rm_stage.lr=1e-4 ...]
 
 The demo's `fastgrpo train` (SFT → 200 GRPO steps) runs once in OUT/rlvr (reused when finished);
-each arm copies that folder and runs the stage (fastgrpo/trainer/stages.py) on a mixed set of 64
+each arm copies that folder and runs the stage (fastgrpo/recipes/stages.py) on a mixed set of 64
 sums (with answers) + 64 open prompts, rewards accuracy 1.0 + format 0.1 + marker 0.5, where
 `marker` is the tiny reward model of tests/reward_models.py (trained here in seconds to prefer
 texts holding "!", group-normalised). Arms: `every_row` (rm_stage.route=false: the RM scores the
