@@ -86,7 +86,8 @@ def run_row(row) -> dict:
     cfg = _config(row, out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _, task, rewards = load_run(cfg, log=lambda *a: None)
+    parts = load_run(cfg, log=lambda *a: None)
+    task, rewards = parts.task, parts.rewards
     seed_everything(cfg.seed)
     base_rss = _rss_mb()
     model, tok = build_model(cfg.model)

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from fastgrpo.runs import checkpoint as ckpt
-from fastgrpo.trainer.build import build_model, build_rollout_engine, build_task
+from fastgrpo.trainer.build import RunParts, build_model, build_rollout_engine, build_task
 from fastgrpo.config import TrainConfig
 from fastgrpo.trainer.backend import launcher_env
 from fastgrpo.trainer.evaluation import evaluate
@@ -44,11 +44,12 @@ def _prepare(cfg: TrainConfig):
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
 
 
-def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
-    """(tokenizer, task, rewards) of a run, every input checked before the model or any engine
-    starts: the tokenizer and context of model.path, the task's rows (columns, chat template,
-    prompt lengths against the context, reference answers), the reward names and user
-    functions, SFT's need for reference completions. Raises ValueError naming the problem."""
+def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False) -> RunParts:
+    """A run's parts (tokenizer, task, rewards; the RM stage's task and rewards), each built once
+    and handed down to the stages, every input checked before the model or any engine starts:
+    the tokenizer and context of model.path, the task's rows (columns, chat template, prompt
+    lengths against the context, reference answers), the reward names and user functions, SFT's
+    need for reference completions. Raises ValueError naming the problem."""
     from fastgrpo.rewards.registry import build_rewards
     from fastgrpo.trainer.build import build_tokenizer
     from fastgrpo.recipes.stages import check_stage
@@ -57,7 +58,7 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     check_context(cfg, ctx)
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
     rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
-    check_stage(cfg, tok, task, ctx)  # rm_stage: its prompts and reward models, loaded now
+    stage = check_stage(cfg, tok, task, ctx)  # rm_stage: its prompts and reward models, loaded now
     from fastgrpo.trainer.lora_run import check_lora_run
 
     check_lora_run(cfg)  # model.lora / an adapter model.path against the model's layers and the engine
@@ -69,7 +70,7 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False):
     if need_sft and not hasattr(task, "sft_completion") and not getattr(task, "has_completions", False):
         raise ValueError(f"config sft_first=true: SFT needs a reference completion in every train row of {cfg.data.path} "
                          "(map one with data.columns.completion), or set sft_first=false")
-    return tok, task, rewards
+    return RunParts(tokenizer=tok, context_len=ctx, task=task, rewards=rewards, stage=stage)
 
 
 def check_context(cfg: TrainConfig, ctx: Optional[int]) -> None:
@@ -134,7 +135,7 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     from fastgrpo.runs.folder import graceful_signals, run_tmpdir
 
     want_sft = cfg.sft_first and cfg.sft.steps > 0
-    loaded = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
+    parts = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
     from fastgrpo.runs.record import plan_resume
 
     plan = plan_resume(cfg)  # a resume's settings against the run's own record, before anything is written
@@ -150,13 +151,14 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 
         done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
         return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done
-                                else _train(cfg, log, loaded[1], want_sft, plan, progress))
+                                else _train(cfg, log, parts, want_sft, plan, progress), parts)
 
 
 BEFORE_GRPO = "before any GRPO step finished; run the same command to resume"
 
 
-def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress: Optional[Dict] = None) -> Dict[str, float]:
+def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=None,
+           progress: Optional[Dict] = None) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import Trainer
     from fastgrpo.runs.folder import graceful_signals
 
@@ -176,7 +178,8 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
     # config.yaml for a new run; a resume that changed settings says which and records them beside it
     write_record(cfg, plan if plan is not None else plan_resume(cfg), _step_of(resume_path), log)
     seed_everything(cfg.seed)
-    model, tok = build_model(cfg.model)
+    task = parts.task
+    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     ran_sft = False
     if want_sft and resume_path is None:
         _sft_stage(cfg, model, tok, task, log)
@@ -185,8 +188,8 @@ def _train(cfg: TrainConfig, log: Log, task, want_sft: bool, plan=None, progress
     start = "SFT checkpoint" if ran_sft else f"initial model {cfg.model.path}"
     if cfg.rollout.mode == "async":  # rollout workers on Ray (fastgrpo/trainer/async_trainer.py)
         from fastgrpo.trainer.async_trainer import AsyncTrainer as Trainer
-    trainer = Trainer(cfg, model, tok, task, log=log)
-    rewards = trainer.reward_fns
+    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards)
+    rewards = parts.rewards
     before: Optional[float] = None
     summary: Dict[str, float] = {}
     try:
@@ -262,8 +265,9 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     from fastgrpo.trainer.grpo import seed_everything
 
     seed_everything(cfg.seed)
-    _, task, rewards = load_run(cfg, log, need_sft=True)
-    model, tok = build_model(cfg.model)
+    parts = load_run(cfg, log, need_sft=True)
+    task, rewards = parts.task, parts.rewards
+    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     cfg.checkpoint.resume = "none"
     _sft_stage(cfg, model, tok, task, log)
     out = {}
@@ -289,11 +293,12 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
                          "weights; give --set model.path=<run folder, checkpoint or model>, or --untrained to score "
                          "an untrained model on purpose")
     _prepare(cfg)
-    _, task, rewards = load_run(cfg, log)
+    parts = load_run(cfg, log)
+    task, rewards = parts.task, parts.rewards
     if not task.heldout:
         raise ValueError("fastgrpo eval: the task has no held-out split (data.eval_path, data.eval_fraction or "
                          "data.eval_split; the built-in task: data.num_heldout)")
-    model, tok = build_model(cfg.model)
+    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
     out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log)
     for k, v in out.items():
@@ -330,11 +335,12 @@ def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     _prepare(cfg)
     cfg.checkpoint.every, cfg.checkpoint.at_end, cfg.checkpoint.resume = 0, False, "none"
     seed_everything(cfg.seed)
-    _, task, _ = load_run(cfg, log, need_sft=cfg.sft_first and cfg.sft.steps > 0)
-    model, tok = build_model(cfg.model)
+    parts = load_run(cfg, log, need_sft=cfg.sft_first and cfg.sft.steps > 0)
+    task = parts.task
+    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     if cfg.sft_first and cfg.sft.steps > 0:
         run_sft(cfg, model, tok, task)
-    trainer = Trainer(cfg, model, tok, task, log=log)
+    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards)
     rows = []
     try:
         trainer.train(on_step=lambda s, m: rows.append(m))

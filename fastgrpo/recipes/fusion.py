@@ -312,7 +312,7 @@ def run_fuse(cfg, log: Log = print) -> Dict[str, float]:
         torch.set_num_threads(cfg.threads)
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
     seed_everything(cfg.seed)
-    model, tok = build_model(cfg.model)
+    model, tok = build_model(cfg.model, tokenizer=tok)
     prompts = [p.prompt for p in list(task.train) + list(task.heldout)]
 
     def longest():  # vLLM's context: a flagged prompt + a forced interrupt + the answer budget on top

@@ -163,17 +163,18 @@ def build_stage_task(cfg, tokenizer, base, context_len: Optional[int] = None) ->
     return MixedTask(probs, base, {k: v for k, v in routed.items() if k in cfg.rm_stage.functions})
 
 
-def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> None:
-    """Load-time check of the stage (`fastgrpo.pipeline.load_run`): its prompt rows and its
-    rewards, reward models loaded (and kept) now, before the policy model or any engine starts."""
+def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> Optional[tuple]:
+    """The stage's own (task, rewards), built and checked at load (`fastgrpo.pipeline.load_run`):
+    its prompt rows and its rewards, reward models loaded (and kept) now, before the policy model
+    or any engine starts; `run_stage` trains with them. None when the run has no stage."""
     if not cfg.rm_stage.steps:
-        return
+        return None
     from fastgrpo.rewards.registry import build_rewards
 
     scfg = stage_config(cfg)
     task = build_stage_task(cfg, tokenizer, base, context_len)
     try:
-        build_rewards(scfg.rewards, task, cfg.rollout.max_new_tokens)
+        return task, build_rewards(scfg.rewards, task, cfg.rollout.max_new_tokens)
     except ValueError as e:  # the stage's functions are rm_stage's fields
         raise ValueError(str(e).replace("rewards.functions", "rm_stage.functions")) from None
 
@@ -201,14 +202,15 @@ def _policy_path(cfg, log: Log) -> str:
                      "(set checkpoint.at_end=true, or steps > 0)")
 
 
-def run_stage(cfg, log: Log, summary: Dict) -> Dict:
+def run_stage(cfg, log: Log, summary: Dict, parts=None) -> Dict:
     """The stage after RLVR (nothing when rm_stage.steps = 0); returns `summary` with the
-    stage's figures under `rm_stage/…`."""
+    stage's figures under `rm_stage/…`. `parts`: the run's RunParts (fastgrpo.trainer.build),
+    whose `stage` holds the stage's task and rewards built at load; built here when absent."""
     if not cfg.rm_stage.steps:
         return summary
     from fastgrpo.config import dump_config
     from fastgrpo.rewards.registry import build_rewards
-    from fastgrpo.trainer.build import build_model, build_task
+    from fastgrpo.trainer.build import build_model, build_task, build_tokenizer
     from fastgrpo.runs.checkpoint import latest_checkpoint
     from fastgrpo.trainer.evaluation import evaluate
     from fastgrpo.trainer.grpo import Trainer, seed_everything
@@ -224,14 +226,19 @@ def run_stage(cfg, log: Log, summary: Dict) -> Dict:
     # model is the stage's KL reference, resumed or not
     scfg.model.path = _policy_path(cfg, log)
     seed_everything(scfg.seed)
-    model, tok = build_model(scfg.model)
-    base = build_task(cfg.data, tok, max_new_tokens=cfg.rollout.max_new_tokens)
-    task = build_stage_task(cfg, tok, base)
+    if parts is None:  # a caller without the run's parts (the library path): build them as load_run does
+        tok, ctx = build_tokenizer(cfg.model)
+        base = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
+        stage = check_stage(cfg, tok, base, ctx)
+    else:
+        tok, base, stage = parts.tokenizer, parts.task, parts.stage
+    task, stage_rewards = stage
+    model, tok = build_model(scfg.model, tokenizer=tok)
     evals = build_rewards(dataclasses.replace(cfg.rewards, functions=["accuracy"], weights=[1.0]), base,
                           cfg.rollout.max_new_tokens) if task.heldout else None
     if scfg.rollout.mode == "async":  # rollout workers on Ray (fastgrpo/trainer/async_trainer.py)
         from fastgrpo.trainer.async_trainer import AsyncTrainer as Trainer
-    trainer = Trainer(scfg, model, tok, task, log=log)
+    trainer = Trainer(scfg, model, tok, task, log=log, rewards=stage_rewards)
     log(f"[fastgrpo] stage 2 (RM-GRPO): {len(task.train)} prompts of {cfg.rm_stage.prompts}, "
         f"rewards {scfg.rewards.functions}, {scfg.steps} steps from {scfg.model.path}; run folder {out}")
     res: Dict[str, float] = {}

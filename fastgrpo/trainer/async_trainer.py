@@ -83,12 +83,12 @@ class _AsyncMetrics:
 
 class AsyncTrainer(Trainer):
     def __init__(self, cfg, model=None, tokenizer=None, task=None, engine=None, backend=None, curriculum=None,
-                 log=print, pool=None):
+                 log=print, pool=None, rewards=None):
         if engine is None and model is not None:  # evaluation samples from the trainer's own module
             from fastgrpo.rollout.torch_engine import TorchEngine
 
             engine = TorchEngine(model, tokenizer, max_batch_size=256)
-        super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log)
+        super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log, rewards=rewards)
         if self.world_size > 1 and self._zero3():
             raise ValueError("rollout.mode=async with several trainer ranks under distributed.zero_stage=3: not built "
                              "(rank 0 alone gathers the weights it broadcasts); use zero_stage <= 2 or one rank")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,15 +23,28 @@ from fastgrpo.rollout.vllm_engine import vllm_available
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(mcfg: ModelConfig):
+@dataclass
+class RunParts:
+    """A stage's parts, built once (fastgrpo.pipeline.load_run) and handed down: no room below
+    re-reads the config to build them again (issue 32: the demo built its rewards twice)."""
+
+    tokenizer: Any                    # model.path's tokenizer (the model reuses it: build_model(tokenizer=...))
+    context_len: Optional[int]        # the model's context, None when it states none
+    task: Any                         # the task, rows checked against the tokenizer and the context
+    rewards: Any                      # the reward functions of rewards.functions (registry.build_rewards)
+    stage: Optional[tuple] = None     # the RM stage's own (task, rewards), built at load when rm_stage.steps > 0
+
+
+def build_model(mcfg: ModelConfig, tokenizer=None):
     """(model, tokenizer): the tiny char-level model, a HF directory, or a fastgrpo checkpoint /
-    run folder (its latest checkpoint's `model/`)."""
+    run folder (its latest checkpoint's `model/`). `tokenizer`: the one the run already built
+    (build_tokenizer, RunParts), returned instead of loading it again."""
     from fastgrpo.models import lora
 
     dtype = _DTYPES[mcfg.dtype]
     adapter = None
     if mcfg.path == "tiny":
-        model, tok = _tiny_model(mcfg, dtype)
+        model, tok = _tiny_model(mcfg, dtype, tokenizer)
         base = tiny_ref(mcfg)  # an adapter's saved base: the tiny model of these sizes and seed
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -40,11 +54,11 @@ def build_model(mcfg: ModelConfig):
         adapter = path if lora.is_adapter_dir(path) else None
         base = lora.adapter_base(adapter) if adapter else path
         if is_tiny_ref(base):
-            model, tok = _tiny_model(tiny_config_of(base, mcfg), dtype)
+            model, tok = _tiny_model(tiny_config_of(base, mcfg), dtype, tokenizer)
         else:
             base = resolve_adapter_base(mcfg.path, base) if adapter else base
             model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-        if adapter is None or not is_tiny_ref(base):
+        if tokenizer is None and (adapter is None or not is_tiny_ref(base)):
             tok = AutoTokenizer.from_pretrained(path if _has_tokenizer(path) else base)
     if adapter is not None:
         model = lora.load_adapter_model(model, adapter, mcfg.lora)
@@ -57,7 +71,7 @@ def build_model(mcfg: ModelConfig):
         if lora.is_lora(model):  # frozen embeddings: checkpointed blocks still need an input that requires grad
             model.enable_input_require_grads()
     patch_model(model)  # oneDNN linears, fused decoder layers (fastgrpo.models.patch); after LoRA: they take it
-    return model, tok
+    return model, (tok if tokenizer is None else tokenizer)
 
 
 _TINY_FIELDS = ("arch", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "seed")
@@ -87,10 +101,10 @@ def tiny_config_of(base: str, mcfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(mcfg, **kw)
 
 
-def _tiny_model(mcfg: ModelConfig, dtype):
+def _tiny_model(mcfg: ModelConfig, dtype, tokenizer=None):
     from fastgrpo.models.tiny import build_tiny_model
 
-    return build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, hidden_size=mcfg.hidden_size,
+    return build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, tokenizer=tokenizer, hidden_size=mcfg.hidden_size,
                             num_hidden_layers=mcfg.num_hidden_layers, intermediate_size=mcfg.intermediate_size,
                             num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=1,
                             head_dim=mcfg.hidden_size // mcfg.num_attention_heads)

@@ -68,7 +68,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
     from `cfg`."""
 
     def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, task=None, engine=None, backend=None,
-                 curriculum=None, log=print):
+                 curriculum=None, log=print, rewards=None):
         from fastgrpo.trainer.backend import backend_from_config
 
         self.cfg = cfg
@@ -131,10 +131,13 @@ class Trainer(UpdateMixin, CheckpointMixin):
         self.spike_skips = 0
         self.syncs_skipped = 0  # steps whose weight sync was skipped because no weight changed
         check_sync_sampling(cfg, shares_module=getattr(self.engine, "model", None) is self.backend.module)
-        from fastgrpo.rewards.registry import build_rewards
+        # rewards by name from the config (the task's own, the library's, a user's module:function);
+        # a pipeline hands down the ones it built at load (RunParts)
+        if rewards is None:
+            from fastgrpo.rewards.registry import build_rewards
 
-        # rewards by name from the config (the task's own, the library's, a user's module:function)
-        self.reward_fns = build_rewards(cfg.rewards, self.task, cfg.rollout.max_new_tokens)
+            rewards = build_rewards(cfg.rewards, self.task, cfg.rollout.max_new_tokens)
+        self.reward_fns = rewards
 
     def _max_prompt_len(self) -> int:
         """Tokens of the task's longest prompt (train and held-out; the task's own count when it

@@ -413,3 +413,33 @@ def test_atomic_write_text(tmp_path):
     ckpt.atomic_write_text(p, "a: 1\n")
     ckpt.atomic_write_text(p, "a: 2\n")
     assert open(p).read() == "a: 2\n" and os.listdir(tmp_path) == ["config.yaml"]
+
+
+def test_a_run_folder_of_the_previous_layout_resumes_exactly(tmp_path):
+    """Run folders written before the house split (issue 32: trainer/ → runs/, logs/, recipes/)
+    still resume. The checkpoint format is untouched by the split (same files, same state.pt
+    keys); tests/runs/data/old_layout_run was written by commit be44770 (the layout before the
+    split): 2 steps of the tiny config, a checkpoint each step. Resumed here to step 4, the
+    run samples the completions that commit sampled when it resumed the same folder
+    (old_layout_run_steps_3_4.jsonl): weights, optimizer, RNG and sampler state all came back."""
+    import json
+    import shutil
+
+    from trainer_helpers import tiny_cfg
+
+    from fastgrpo.pipeline import run_train
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(here, "old_layout_run"), run)
+    args = ("checkpoint.every=1", "checkpoint.at_end=true", "checkpoint.keep_last=1", "data.num_heldout=0",
+            "logging.samples_every=1", "rollout.temperature=1.0")
+    logs = []
+    summary = run_train(tiny_cfg(run, "steps=4", *args), log=logs.append)
+    assert any("resumed from" in m and "step-00000002" in m for m in logs), logs
+    assert summary["steps"] == 4
+    got = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    got = [{k: r[k] for k in ("step", "prompt_id", "index", "prompt", "completion")} for r in got if r["step"] > 2]
+    with open(os.path.join(here, "old_layout_run_steps_3_4.jsonl")) as f:
+        want = [json.loads(line) for line in f]
+    assert len(want) == 8 and got == want  # 4 rows a step (logging.samples_max picks them)

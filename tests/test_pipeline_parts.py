@@ -1,0 +1,58 @@
+"""Built once, handed down (issue 32): `fastgrpo.pipeline` builds a run's tokenizer, task and
+rewards once (RunParts) and every stage below takes them; the RM stage's task and rewards are
+built once, at load. Counted on the demo run and on a run with the RM stage."""
+import json
+
+import pytest
+
+
+
+def _count(monkeypatch, module, name, counts):
+    import importlib
+
+    mod = importlib.import_module(module)
+    real = getattr(mod, name)
+
+    def counted(*a, **kw):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, name, counted)
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    c = {}
+    _count(monkeypatch, "fastgrpo.rewards.registry", "build_rewards", c)
+    _count(monkeypatch, "fastgrpo.trainer.build", "build_tokenizer", c)
+    _count(monkeypatch, "fastgrpo.tasks.build", "build_task", c)
+    _count(monkeypatch, "fastgrpo.models.tiny", "build_char_tokenizer", c)
+    import fastgrpo.trainer.build as b
+    import fastgrpo.tasks.build as tb
+
+    monkeypatch.setattr(b, "build_task", tb.build_task)  # the builder re-exports the counted one
+    return c
+
+
+def test_the_demo_run_builds_each_part_once(tmp_path, counts):
+    from fastgrpo.pipeline import run_train
+
+    from trainer_helpers import tiny_cfg
+
+    run_train(tiny_cfg(tmp_path, "steps=1", "sft_first=true", "sft.steps=1"), log=lambda m: None)
+    assert counts == {"build_rewards": 1, "build_tokenizer": 1, "build_task": 1, "build_char_tokenizer": 1}, counts
+
+
+def test_the_rm_stage_builds_its_own_rewards_once(tmp_path, counts):
+    from fastgrpo.pipeline import run_train
+
+    from trainer_helpers import tiny_cfg
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    cfg = tiny_cfg(tmp_path / "run", "steps=1", "checkpoint.at_end=true", "rm_stage.steps=1",
+                   f"rm_stage.prompts={prompts}", "rm_stage.functions=[accuracy, format]", "rm_stage.weights=[1.0, 0.1]")
+    run_train(cfg, log=lambda m: None)
+    # the run's rewards, the stage's rewards (at load), the stage's held-out accuracy: one each
+    assert counts["build_rewards"] == 3, counts
+    assert counts["build_tokenizer"] == 1 and counts["build_char_tokenizer"] == 1, counts
