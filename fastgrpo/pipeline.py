@@ -23,6 +23,7 @@ from fastgrpo.trainer.build import RunParts, build_model, build_rollout_engine, 
 from fastgrpo.config import TrainConfig
 from fastgrpo.trainer.backend import launcher_env
 from fastgrpo.trainer.evaluation import evaluate
+from fastgrpo.logs.console import bar_postfix, eval_order, number, run_folder_line
 from fastgrpo.logs.metrics import make_plots, read_metrics, set_nvtx
 
 Log = Callable[[str], None]
@@ -44,7 +45,7 @@ def _prepare(cfg: TrainConfig):
     os.makedirs(cfg.logging.out_dir, exist_ok=True)
 
 
-def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False) -> RunParts:
+def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False, verb: str = "trained") -> RunParts:
     """A run's parts (tokenizer, task, rewards; the RM stage's task and rewards), each built once
     and handed down to the stages, every input checked before the model or any engine starts:
     the tokenizer and context of model.path, the task's rows (columns, chat template, prompt
@@ -54,10 +55,15 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False) -> RunP
     from fastgrpo.trainer.build import build_tokenizer
     from fastgrpo.recipes.stages import check_stage
 
+    from fastgrpo.trainer.build import load_episode_parts
+
     tok, ctx = build_tokenizer(cfg.model)
+    check_demo_task(cfg, tok, verb)
     check_context(cfg, ctx)
-    task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens)
-    rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens)
+    episodes = load_episode_parts(cfg.rollout, tok)  # rollout.tools / rollout.env: imported and checked now
+    task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens,
+                      tools=episodes.prompt_tools if episodes else None)
+    rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens, getattr(cfg, "config_dir", None))
     stage = check_stage(cfg, tok, task, ctx)  # rm_stage: its prompts and reward models, loaded now
     from fastgrpo.trainer.lora_run import check_lora_run
 
@@ -70,7 +76,21 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False) -> RunP
     if need_sft and not hasattr(task, "sft_completion") and not getattr(task, "has_completions", False):
         raise ValueError(f"config sft_first=true: SFT needs a reference completion in every train row of {cfg.data.path} "
                          "(map one with data.columns.completion), or set sft_first=false")
-    return RunParts(tokenizer=tok, context_len=ctx, task=task, rewards=rewards, stage=stage)
+    return RunParts(tokenizer=tok, context_len=ctx, task=task, rewards=rewards, stage=stage, episodes=episodes)
+
+
+def check_demo_task(cfg: TrainConfig, tok, verb: str = "trained") -> None:
+    """The built-in arithmetic task is the tiny demo model's (its character tokenizer writes it):
+    a real model with no data.path would be trained (or scored) on it, 0.000 after minutes without a
+    word (issue 34), so it is refused unless data.task=arithmetic asks for it."""
+    from fastgrpo.models.tiny import is_char_tokenizer
+
+    if cfg.data.task != "auto" or cfg.data.path or is_char_tokenizer(tok):
+        return
+    raise ValueError(f"config data.path is not set, so model.path={cfg.model.path!r} would be {verb} on the embedded "
+                     "demo's character arithmetic (the tiny demo model's task); give data.path=<train data: a .jsonl "
+                     "/ .parquet / .csv file, a datasets folder or a hub id>, or data.task=arithmetic to use the "
+                     "demo task on purpose")
 
 
 def check_context(cfg: TrainConfig, ctx: Optional[int]) -> None:
@@ -188,7 +208,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
     start = "SFT checkpoint" if ran_sft else f"initial model {cfg.model.path}"
     if cfg.rollout.mode == "async":  # rollout workers on Ray (fastgrpo/trainer/async_trainer.py)
         from fastgrpo.trainer.async_trainer import AsyncTrainer as Trainer
-    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards)
+    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards, episodes=parts.episodes)
     rewards = parts.rewards
     before: Optional[float] = None
     summary: Dict[str, float] = {}
@@ -198,7 +218,9 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
             log(f"[fastgrpo] resumed from {resume_path} at step {trainer.step_num}")
             rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("step") == 0 and "eval/accuracy" in r]
             before = rows[-1]["eval/accuracy"] if rows else None
-        elif task.heldout:
+        else:
+            trainer.metrics.drop_steps_after(-1)  # a run that died before its first checkpoint: every row is redone
+        if resume_path is None and task.heldout:
             ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
             trainer.metrics.log(0, ev)
             before = ev.get("eval/accuracy")  # None: no verifier among the rewards (eval/reward/* instead)
@@ -211,8 +233,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
                 trainer.metrics.log(step, evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout))
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{m.get('reward/mean', 0):.3f}", acc=f"{m.get('train/accuracy', 0):.2f}",
-                                tok_s=f"{m.get('perf/throughput', 0):.0f}")
+                bar.set_postfix(bar_postfix(m))  # acc only when accuracy is a training reward
 
         t_rl = time.perf_counter()
         try:
@@ -239,7 +260,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
             summary["accuracy_after"] = ev.get("eval/accuracy")
             summary["accuracy_before"] = before
             log(f"[fastgrpo] held-out accuracy: {_acc(before)} ({'resumed run' if resume_path else start}) → "
-                f"{_acc(ev.get('eval/accuracy'))} after {trainer.step_num} GRPO steps")
+                f"{_acc(ev.get('eval/accuracy'))} after {trainer.step_num} GRPO step{'' if trainer.step_num == 1 else 's'}")
         if cfg.fusion.enabled and trainer.rank == 0:  # thinking-mode fusion of the RL model (fastgrpo/recipes/fusion.py)
             from fastgrpo.recipes.fusion import fusion_stage
 
@@ -255,7 +276,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
 
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        log(f"[fastgrpo] run folder: {out} (metrics.jsonl, tb/, plots/, checkpoints/) — {summary['wall_s']:.0f} s total")
+        log(f"{run_folder_line(out, cfg.logging.tensorboard, cfg.logging.plots)} — {summary['wall_s']:.0f} s total")
     return summary
 
 
@@ -293,16 +314,21 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
                          "weights; give --set model.path=<run folder, checkpoint or model>, or --untrained to score "
                          "an untrained model on purpose")
     _prepare(cfg)
-    parts = load_run(cfg, log)
+    parts = load_run(cfg, log, verb="scored")
     task, rewards = parts.task, parts.rewards
     if not task.heldout:
         raise ValueError("fastgrpo eval: the task has no held-out split (data.eval_path, data.eval_fraction or "
                          "data.eval_split; the built-in task: data.num_heldout)")
+    d = cfg.data
+    source = (f"data.eval_path={d.eval_path!r}" if d.eval_path else f"data.path={d.path!r}" if d.path
+              else "the built-in arithmetic task (data.task=arithmetic)")
+    log(f"[fastgrpo] eval: {len(task.heldout)} held-out problems of {source}, {cfg.eval.num_samples} "
+        f"sample{'s' if cfg.eval.num_samples != 1 else ''} each")
     model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
     out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log)
-    for k, v in out.items():
-        log(f"{k}: {v:.4f}")
+    for k in eval_order(out):
+        log(f"{k}: {number(out[k])}")
     _write_eval_samples(cfg, out, log)
     return out
 
@@ -340,7 +366,7 @@ def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
     if cfg.sft_first and cfg.sft.steps > 0:
         run_sft(cfg, model, tok, task)
-    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards)
+    trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards, episodes=parts.episodes)
     rows = []
     try:
         trainer.train(on_step=lambda s, m: rows.append(m))

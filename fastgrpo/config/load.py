@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from typing import Any, Dict, List, Optional, Sequence
@@ -63,6 +64,10 @@ _CHECKS = {
     "rollout.mode": _choice("colocated", "async"), "rollout.workers": _POS_INT, "rollout.max_staleness": _NONNEG,
     "rollout.inflight": _choice("wait", "abort", "keep"), "rollout.worker_threads": _POS_INT,
     "rollout.prompts_per_call": _NONNEG,
+    "rollout.max_turns": ((lambda v: v >= 1), "an integer >= 1 (model turns per episode)"),
+    "rollout.history": _choice("auto", "keep", "fork"), "rollout.episode_groups": _POS_INT,
+    "rollout.tool_timeout": _POS, "rollout.tool_output_chars": _POS_INT, "rollout.tool_parallel": _POS_INT,
+    "rollout.tool_parallel_per_episode": _POS_INT, "rollout.tool_errors": _choice("continue", "stop"),
     "cluster.num_cpus": _NONNEG, "cluster.num_gpus": _NONNEG, "cluster.object_store_mb": ((lambda v: v >= 64), "an integer >= 64 (MiB)"),
     "cluster.gpus_per_worker": ((lambda v: v == -1 or v >= 0), "-1 (auto) or a number >= 0"),
     "guard.max_weight_growth": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"), "guard.grad_spike": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"),
@@ -363,7 +368,11 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), base:
             raise ValueError(f"config file {path}: expected a YAML mapping of sections, got {type(loaded).__name__}")
         data = _merge(data, loaded)
     data = apply_overrides(data, overrides)
-    return validate(_from_dict(TrainConfig, data))
+    cfg = validate(_from_dict(TrainConfig, data))
+    # not a field (never written to config.yaml): the folder user functions are looked up in first
+    # (fastgrpo.rewards.inputs.import_reward), so `my_rewards:fn` beside the config file imports
+    cfg.config_dir = os.path.dirname(os.path.abspath(path)) if path else None
+    return cfg
 
 
 def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:

@@ -70,6 +70,23 @@ class RolloutConfig:
     deterministic: bool = False  # async: logical clock (swaps at fixed points, results in submission order, per-prompt seeds): two runs, one seed, same weights
     worker_threads: int = 1  # async: torch threads of each CPU rollout worker (its Ray CPU request too)
     prompts_per_call: int = 0  # async: prompts per generate call of a worker (0 = prompts_per_step / workers; deterministic: 1)
+    # multi-turn episodes (fastgrpo/episodes/, fastgrpo/rollout/episodes.py): on when tools or env is set;
+    # rollout.max_new_tokens is then the episode's token budget (sampled + tool / environment ids after the prompt)
+    tools: List[str] = field(default_factory=list)  # tools the model may call: calculator, python (the code sandbox) or module:function / file.py:function (typed, with a docstring)
+    env: str = ""  # an environment class module:Class / file.py:Class (reset(row) -> str | None, step(text) -> (obs, reward, done)), one instance per episode, out of process
+    max_turns: int = 4  # model turns per episode
+    history: str = "auto"  # a chat template that rewrites earlier turns (Qwen3's <think> stripping): keep (train the ledger as sampled) | fork (a new sample from there); auto: refuse such a template
+    episode_groups: int = 4  # episodes in flight: k groups, one decoding while the others' tools run (1 = turn-synchronous)
+    tool_timeout: float = 10.0  # wall-clock seconds of one tool call or environment reset / step; then its process group is killed
+    tool_output_chars: int = 2000  # characters of one tool result the model reads (the rest is cut, with a note)
+    tool_parallel: int = 4  # tool calls running at once over all episodes (one warm worker each)
+    tool_parallel_per_episode: int = 2  # tool calls of one episode running at once
+    tool_errors: str = "continue"  # a tool error, timeout or unparsable call: continue (back to the model as text) | stop (the episode ends)
+
+    @property
+    def episodes(self) -> bool:
+        """Multi-turn episodes are on (rollout.tools or rollout.env set)."""
+        return bool(self.tools) or bool(self.env)
 
     def __post_init__(self):
         if self.top_k == -1:  # one meaning of "off" everywhere: 0
@@ -85,6 +102,7 @@ REWARD_NAMES = {
     "overlong": "DAPO soft overlong penalty over the last rewards.overlong_cache tokens of rollout.max_new_tokens",
     "code": "unit tests of the problem's `tests` run in the sandbox (rewards.code_timeout seconds each)",
     "process": "step scores of rewards.process.scorer reduced to one reward (rewards.process.reduction: min | product | mean)",
+    "env": "the environment's own reward (rollout.env: the sum of its step rewards over the episode; 0 when it gave none)",
 }
 
 

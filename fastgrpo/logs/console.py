@@ -83,3 +83,69 @@ class _FileOnlyLogger(logging.Logger):
         if isinstance(hdlr, logging.StreamHandler) and not isinstance(hdlr, logging.FileHandler):
             return
         super().addHandler(hdlr)
+
+
+def number(value) -> str:
+    """A number as a person writes it: 200.0 → "200", 0.123456 → "0.1235", 1e-05 → "1e-05"
+    (metrics are floats; a count printed as `200.0000` reads as a measurement)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:.0f}"  # 12345.6 → "12346", not .4g's "1.235e+04"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def eval_order(metrics: dict) -> list:
+    """An evaluation's keys as a reader scans them: accuracy, pass@k by k (1, 4, 8; not in the
+    order they were computed), then the rest by name."""
+    import re
+
+    def rank(k):
+        m = re.fullmatch(r"eval/pass@(\d+)", k)
+        return (0, 0, k) if k == "eval/accuracy" else (1, int(m.group(1)), k) if m else (2, 0, k)
+
+    return sorted(metrics, key=rank)
+
+
+def bar_postfix(metrics: dict) -> dict:
+    """The GRPO bar's fields for one step: the weighted reward, tokens/s, and the training
+    accuracy only when `accuracy` is a training reward (a process-only or own-function run
+    computes none: `acc=0.00` on every step read as a run that learns nothing)."""
+    out = {"reward": f"{metrics.get('reward/mean', 0.0):.3f}"}
+    if metrics.get("train/accuracy") is not None:
+        out["acc"] = f"{metrics['train/accuracy']:.2f}"
+    out["tok_s"] = f"{metrics.get('perf/throughput', 0.0):.0f}"
+    return out
+
+
+_FOLDER_PARTS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "tb", "plots", "checkpoints")
+
+
+def missing_writers(tensorboard: bool = True, plots: bool = True) -> list:
+    """The optional packages a run's settings ask for and this environment lacks (the `[gpu]`
+    extra alone has neither), as (folder, package) pairs."""
+    import importlib.util
+
+    want = (("tb/", "tensorboard", tensorboard), ("plots/", "matplotlib", plots))
+    return [(folder, pkg) for folder, pkg, on in want if on and importlib.util.find_spec(pkg) is None]
+
+
+def run_folder_line(out_dir: str, tensorboard: bool = True, plots: bool = True) -> str:
+    """The last line of a run: what its folder holds (only what was written) and, once, what
+    was not for want of a package."""
+    have = []
+    for name in _FOLDER_PARTS:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path) and os.listdir(path):
+            have.append(name + "/")
+        elif os.path.isfile(path) and os.path.getsize(path):
+            have.append(name)
+    line = f"[fastgrpo] run folder: {out_dir} ({', '.join(have) or 'empty'})"
+    missing = missing_writers(tensorboard, plots)
+    if missing:
+        pkgs = " ".join(p for _, p in missing)
+        line += (f"; no {' or '.join(f for f, _ in missing)}: {' and '.join(p for _, p in missing)} "
+                 f"{'is' if len(missing) == 1 else 'are'} not installed (pip install {pkgs})")
+    return line

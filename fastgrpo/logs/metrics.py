@@ -96,13 +96,15 @@ class MetricsLogger:
     `wandb.mode` is not disabled) in `out_dir`. Only rank 0 writes."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True, samples_every: int = 0,
-                 samples_max: int = 8, wandb=None, run_config: Optional[Dict] = None, log=print):
+                 samples_max: int = 8, wandb=None, run_config: Optional[Dict] = None, log=print,
+                 last_step: int = 0):
         self.out_dir = out_dir
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._tb = None
         self._wandb = None
         self.samples_every, self.samples_max, self.log_line = samples_every, samples_max, log
+        self.last_step = last_step  # the run's last step (cfg.steps): its samples are written too
         self._samples = self._eval_samples = None  # SamplesFile, opened at the first rollouts / evaluation
         if not enabled:
             return
@@ -130,7 +132,8 @@ class MetricsLogger:
 
         lg = cfg.logging
         return cls(lg.out_dir, lg.tensorboard, enabled=enabled, samples_every=lg.samples_every,
-                   samples_max=lg.samples_max, wandb=lg.wandb, run_config=dataclasses.asdict(cfg), log=log)
+                   samples_max=lg.samples_max, wandb=lg.wandb, run_config=dataclasses.asdict(cfg), log=log,
+                   last_step=cfg.steps)
 
     def log(self, step: int, metrics: Dict[str, object]) -> None:
         if not self.enabled:
@@ -156,10 +159,41 @@ class MetricsLogger:
             self._eval_samples.write(rows)
             self._table("eval_samples", step, rows)
 
+    def drop_steps_after(self, step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint's `step`: their rows (logged by the
+        run that died) leave metrics.jsonl, so a plot has one point per step, as samples.jsonl
+        does. Rewritten whole (temp file, fsync, rename); a torn fragment is kept (it is evidence
+        of the kill, and `read_metrics` skips it)."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+
+        def redone(line: bytes) -> bool:
+            try:
+                row = json.loads(line)
+                return isinstance(row, dict) and int(row["step"]) > step
+            except (ValueError, KeyError, TypeError):
+                return False
+
+        kept = [line for line in lines if not redone(line)]
+        if len(kept) == len(lines):
+            return
+        self._f.close()
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a")
+
     def log_rollouts(self, step: int, problems, groups, per_fn, total, adv, zero_std) -> None:
-        """Every `samples_every` steps, the step's selected rollouts (samples.select_samples) to
-        samples.jsonl, TensorBoard and W&B. The first call of a run drops rows of steps >= `step`
-        (the steps a resumed run redoes), whether or not this step writes."""
+        """Every `samples_every` steps, and at the run's first and last step (a run shorter than
+        `samples_every` shows what the model wrote too), the step's selected rollouts
+        (samples.select_samples) to samples.jsonl, TensorBoard and W&B. The first call of a run
+        drops rows of steps >= `step` (the steps a resumed run redoes), whether or not this step
+        writes."""
         if not self.enabled or not self.samples_every:
             return
         from fastgrpo.logs.samples import SamplesFile, select_samples
@@ -167,7 +201,7 @@ class MetricsLogger:
         if self._samples is None:
             self._samples = SamplesFile(os.path.join(self.out_dir, "samples.jsonl"), self.log_line)
             self._samples.open(step)
-        if step % self.samples_every:
+        if step % self.samples_every and step not in (1, self.last_step):
             return
         rows = select_samples(step, problems, groups, per_fn, total, adv, zero_std, self.samples_max)
         self._samples.write(rows)

@@ -27,16 +27,7 @@ def build_char_tokenizer(extra_chars: str = ""):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = []
-    for c in CHARS + extra_chars:
-        if c not in chars:
-            chars.append(c)
-    vocab = {PAD: 0, EOS: 1, BOS: 2}
-    for t in TAGS:
-        vocab[t] = len(vocab)
-    for c in chars:
-        vocab[c] = len(vocab)
-    vocab["<unk>"] = len(vocab)
+    vocab = char_vocab(extra_chars)
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Split into single characters (the tags are matched first as added tokens).
     tk.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -46,6 +37,28 @@ def build_char_tokenizer(extra_chars: str = ""):
     tok.add_tokens(list(TAGS))
     tok.padding_side = "left"
     return tok
+
+
+def char_vocab(extra_chars: str = "") -> dict:
+    """token → id of `build_char_tokenizer` (without building it)."""
+    vocab = {PAD: 0, EOS: 1, BOS: 2}
+    for t in TAGS:
+        vocab[t] = len(vocab)
+    for c in CHARS + extra_chars:
+        vocab.setdefault(c, len(vocab))
+    vocab["<unk>"] = len(vocab)
+    return vocab
+
+
+def is_char_tokenizer(tok) -> bool:
+    """Whether `tok` is the demo's character tokenizer (built here, or saved in a demo run's
+    checkpoint): every id of `char_vocab` in place. The built-in arithmetic task is written in
+    its characters, so it is the demo model's task and no other model's."""
+    try:
+        vocab = tok.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return False
+    return all(vocab.get(k) == v for k, v in char_vocab().items())
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: int = 64, num_hidden_layers: int = 2,

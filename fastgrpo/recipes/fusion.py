@@ -307,7 +307,7 @@ def run_fuse(cfg, log: Log = print) -> Dict[str, float]:
     r, f = cfg.rollout, cfg.fusion
     tok, ctx = build_tokenizer(cfg.model)
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=r.max_new_tokens)
-    rewards = build_rewards(cfg.rewards, task, r.max_new_tokens)
+    rewards = build_rewards(cfg.rewards, task, r.max_new_tokens, getattr(cfg, "config_dir", None))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     os.makedirs(cfg.logging.out_dir, exist_ok=True)

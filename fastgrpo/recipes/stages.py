@@ -174,7 +174,7 @@ def check_stage(cfg, tokenizer, base, context_len: Optional[int] = None) -> Opti
     scfg = stage_config(cfg)
     task = build_stage_task(cfg, tokenizer, base, context_len)
     try:
-        return task, build_rewards(scfg.rewards, task, cfg.rollout.max_new_tokens)
+        return task, build_rewards(scfg.rewards, task, cfg.rollout.max_new_tokens, getattr(cfg, "config_dir", None))
     except ValueError as e:  # the stage's functions are rm_stage's fields
         raise ValueError(str(e).replace("rewards.functions", "rm_stage.functions")) from None
 

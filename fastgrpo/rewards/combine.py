@@ -105,7 +105,8 @@ def score_groups(problems: Sequence, groups: Sequence, fns: Mapping[str, Callabl
                           lengths=[len(getattr(c, "token_ids", ()) or ()) for c in comps],
                           truncated=[getattr(c, "finish_reason", "stop") == "length" for c in comps],
                           completion_ids=[list(getattr(c, "token_ids", ()) or ()) for c in comps],
-                          group_size=G, step=step)
+                          group_size=G, step=step,
+                          episodes=[getattr(c, "episode", None) for c in comps])
     raw: Dict[str, List[Optional[float]]] = {}
     dropped: set = set()
     errors: List[str] = []

@@ -28,6 +28,7 @@ class RewardInputs:
     group_size: int = 1  # G (completions i·G … i·G+G−1 answer the same prompt)
     scores: Dict[str, List[Optional[float]]] = field(default_factory=dict)  # rewards scored earlier in this call
     step: int = 0  # the training step (for rewards that switch on after a number of steps)
+    episodes: List[Any] = field(default_factory=list)  # multi-turn: each completion's episode ledger (fastgrpo.episodes.ledger), else empty
 
     @property
     def answers(self) -> List[str]:
@@ -64,25 +65,65 @@ def call_reward(fn: Callable, inputs: RewardInputs) -> Sequence[Optional[float]]
         return fn(inputs)
     return fn(inputs.completions, inputs.answers)
 
-def import_reward(path: str, field: str = "rewards.functions") -> Callable:
-    """The user function at `module:function` (a dotted module, importable or a .py file path);
-    a failure raises ValueError naming the config `field`."""
+def search_dirs(base_dir: Optional[str] = None) -> List[str]:
+    """Where a user function's module or file is looked up: the config file's folder (`base_dir`),
+    then the working directory; absolute, without repeats."""
+    import os
+
+    return list(dict.fromkeys([os.path.abspath(d) for d in (base_dir, os.getcwd()) if d]))
+
+
+def _import_module(name: str, dirs: Sequence[str]):
+    """`import name` from sys.path, else from the first of `dirs` that holds it (that folder is
+    then kept on sys.path: the user-reward worker imports with this process's sys.path, and the
+    module may import its siblings)."""
+    import importlib
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        top = name.split(".")[0]
+        if e.name != top:  # the module exists; something it imports does not
+            raise
+        for d in dirs:
+            if os.path.isfile(os.path.join(d, top + ".py")) or os.path.isdir(os.path.join(d, top)):
+                if d not in sys.path:
+                    sys.path.insert(0, d)
+                importlib.invalidate_caches()
+                return importlib.import_module(name)
+        raise
+
+
+def import_reward(path: str, field: str = "rewards.functions", base_dir: Optional[str] = None) -> Callable:
+    """The user function at `module:function` (a dotted module) or `file.py:function`, looked up
+    on sys.path, then in the config file's folder `base_dir` and the working directory
+    (`search_dirs`); a failure raises ValueError naming the config `field` and both forms."""
     import importlib
     import importlib.util
     import os
 
-    mod_name, fn_name = path.split(":")
+    mod_name, fn_name = path.rsplit(":", 1)
+    dirs = search_dirs(base_dir)
     try:
         if mod_name.endswith(".py"):
-            if not os.path.isfile(mod_name):
+            cands = [mod_name] if os.path.isabs(mod_name) else [os.path.join(d, mod_name) for d in dirs]
+            file = next((os.path.abspath(c) for c in cands if os.path.isfile(c)), None)
+            if file is None:
                 raise ImportError(f"no file {mod_name}")
-            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(file))[0], file)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(mod_name)
+            module = _import_module(mod_name, dirs)
     except Exception as e:  # noqa: BLE001 — any failure of the user's import is reported with its path
-        raise ValueError(f"config {field}: {path!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from None
+        where = " and ".join(dirs)
+        stem = mod_name[:-3] if mod_name.endswith(".py") else mod_name.replace(".", "/")
+        raise ValueError(f"config {field}: {path!r}: cannot import {mod_name!r} ({type(e).__name__}: {e}); looked on "
+                         f"sys.path and in {where} (the config file's folder, then the working directory): write "
+                         f"'{os.path.basename(stem)}:{fn_name}' with {stem}.py in one of those folders, or "
+                         f"'path/to/{os.path.basename(stem)}.py:{fn_name}'") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"config {field}: {path!r}: {mod_name!r} has no callable {fn_name!r}")

@@ -239,6 +239,10 @@ class ProcessReward:
         self.scorer, self.splitter, self.reduction = scorer, splitter, reduction
         self.dense_weight, self.credit, self.name = float(dense_weight), credit, name
         self.runner = runner  # a user scorer in the user-reward worker (rewards.timeout): WorkerFunction, or None
+        # `process` is among rewards.functions (set by build_rewards): a completion without steps then
+        # scores rewards.error_score and is reported; in dense mode alone it only gets no step advantage
+        self.outcome = False
+        self._stats: Dict[str, float] = {}
         self._last: Optional[Tuple[List[str], List[StepResult]]] = None
         self._errors: List[str] = []
         self._item_errors: Dict[int, str] = {}  # the last call's failed completions (drain_item_errors)
@@ -304,7 +308,15 @@ class ProcessReward:
             out = self._score_in_worker(items)
         else:
             out = [self.score_one(*it) for it in items]
-        self._item_errors = {j: r.error for j, r in enumerate(out) if r.error is not None}
+        no_steps = sum(1 for r in out if not r.spans)
+        self._item_errors = {j: r.error for j, r in enumerate(out)
+                             if r.error is not None and (self.outcome or r.spans)}
+        scored = [r for r in out if r.scores is not None]
+        n = max(1, len(out))
+        self._stats = {"process/steps_mean": sum(len(r.spans) for r in out) / n, "process/no_steps": no_steps / n,
+                       "process/failed": sum(1 for r in out if r.spans and r.scores is None) / n}
+        if scored:
+            self._stats["process/step_score_mean"] = float(np.mean([v for r in scored for v in r.scores]))
         self._errors = []
         if self._item_errors:
             j = min(self._item_errors)
@@ -315,6 +327,11 @@ class ProcessReward:
                                 f"scored rewards.error_score — {n} of {len(out)} completions failed this step")
         self._last = (list(inputs.completions), out)
         return out
+
+    def metrics(self) -> Dict[str, float]:
+        """The last call's steps: mean steps per completion, the mean step score, and the
+        fractions of completions with no step and whose scoring failed (metrics.jsonl)."""
+        return dict(self._stats)
 
     def drain_item_errors(self) -> Dict[int, str]:
         """{completion index: why} of the last call (then forgotten, with its `drain_errors` line)."""
@@ -368,7 +385,7 @@ def token_advantages(outcome: float, completion):
     return outcome if step is None else step + np.float32(outcome)
 
 
-def build_process(pcfg, timeout: float = 0.0) -> Optional[ProcessReward]:
+def build_process(pcfg, timeout: float = 0.0, base_dir=None) -> Optional[ProcessReward]:
     """The ProcessReward of a `ProcessConfig`, or None when `scorer` is empty. A scorer path that
     does not import, an unknown built-in, a bad regex or reduction raise ValueError naming the
     field (at load, before any model starts). `timeout` > 0 (rewards.timeout): a user scorer runs
@@ -379,7 +396,7 @@ def build_process(pcfg, timeout: float = 0.0) -> Optional[ProcessReward]:
     if ":" in pcfg.scorer:
         from fastgrpo.rewards.worker import WorkerFunction
 
-        fn = import_reward(pcfg.scorer, field="rewards.process.scorer")
+        fn = import_reward(pcfg.scorer, field="rewards.process.scorer", base_dir=base_dir)
         runner = WorkerFunction(pcfg.scorer, fn, timeout, "process") if timeout > 0 else None
     elif pcfg.scorer in SCORERS:
         fn = SCORERS[pcfg.scorer]

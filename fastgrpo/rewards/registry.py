@@ -45,6 +45,8 @@ class Rewards:
     def metrics(self) -> Dict[str, float]:
         """The counters some rewards keep about their last call (judge asks, unparsable scores)."""
         out = {k: v for fn in self.fns.values() if hasattr(fn, "metrics") for k, v in fn.metrics().items()}
+        if self.process is not None and self.process not in self.fns.values():  # dense step advantages alone
+            out.update(self.process.metrics())
         out.update(self.faults.metrics())
         return out
 
@@ -60,10 +62,11 @@ class Rewards:
             self.faults.load_state_dict(state["faults"])
 
 
-def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
+def build_rewards(rcfg, task, max_new_tokens: int, base_dir=None) -> Rewards:
     """The callables of `rcfg.functions` (a `RewardsConfig`) for `task`. Unknown names and user
     functions that fail to import raise ValueError naming the entry (call it before any model
-    or engine starts)."""
+    or engine starts). `base_dir`: the config file's folder, where a user function's module or
+    file is looked up before the working directory (rewards.inputs.import_reward)."""
     from fastgrpo.rewards.code import code_reward
     from fastgrpo.rewards.format import format_reward
     from fastgrpo.rewards.language import language_reward
@@ -78,7 +81,7 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
     fns: Dict[str, Callable] = {}
     gate = None
     timeout = float(getattr(rcfg, "timeout", 0.0) or 0.0)  # rewards.timeout: user and model rewards
-    process = build_process(rcfg.process, timeout)  # its scorer imported here: a bad path fails at load
+    process = build_process(rcfg.process, timeout, base_dir)  # its scorer imported here: a bad path fails at load
     timed = (lambda fn, name: TimedReward(fn, name, timeout)) if timeout > 0 else (lambda fn, name: fn)  # noqa: E731
 
     def accuracy_of(inputs: RewardInputs):
@@ -106,7 +109,7 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
             fns[name] = timed(JudgedAccuracy(load_model_reward(rcfg.accuracy_judge, models[rcfg.accuracy_judge]),
                                              task.extract), name)
         elif ":" in name:
-            fns[name] = user_reward(import_reward(name), name, timeout)
+            fns[name] = user_reward(import_reward(name, base_dir=base_dir), name, timeout)
         elif name in task_fns:  # the task's own definition wins (e.g. its accuracy, its format)
             fn = task_fns[name]
             fns[name] = fn if getattr(fn, "takes_inputs", False) else inputs_reward(
@@ -115,9 +118,13 @@ def build_rewards(rcfg, task, max_new_tokens: int) -> Rewards:
                 fns[name] = timed(fns[name], name)
         elif name == "accuracy":
             raise ValueError(f"config rewards.functions[{i}]='accuracy': task {task_name} defines no accuracy reward")
+        elif name == "env":  # the environment's own reward (rollout.env); 0 for an episode it did not score
+            fns[name] = inputs_reward(lambda inputs: [float(getattr(e, "env_reward", None) or 0.0)
+                                                      for e in (inputs.episodes or [None] * len(inputs))])
         elif name == "process":
             if process is None:
                 raise ValueError(f"config rewards.functions[{i}]='process': expected a step scorer in rewards.process.scorer")
+            process.outcome = True  # a completion without steps scores rewards.error_score: reported
             fns[name] = process
         elif name == "format":
             think, answer, strict = rcfg.format_think_tag, rcfg.format_answer_tag, rcfg.format_strict

@@ -178,9 +178,11 @@ def source_of(spec: str, fn: Callable) -> Tuple[Optional[str], float]:
 
     mod_name = spec.rsplit(":", 1)[0]
     try:
-        file = os.path.abspath(mod_name) if mod_name.endswith(".py") else inspect.getsourcefile(sys.modules[fn.__module__])
+        # a file.py found in the config file's folder (rewards.inputs.import_reward): the function's own file
+        file = (os.path.abspath(inspect.getsourcefile(fn) or mod_name) if mod_name.endswith(".py")
+                else inspect.getsourcefile(sys.modules[fn.__module__]))
     except (TypeError, KeyError, AttributeError):
-        file = None
+        file = os.path.abspath(mod_name) if mod_name.endswith(".py") else None
     try:
         return file, (os.path.getmtime(file) if file else 0.0)
     except OSError:

@@ -110,7 +110,7 @@ def _ids(train: Rows, held: Rows, id_col: Optional[str]) -> Tuple[List[int], Lis
 
 
 def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = None, max_new_tokens: int = 0,
-               pool=None):
+               pool=None, tools=None):
     """The task of a data config (see the module docstring).
 
     Args:
@@ -122,6 +122,8 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
         max_new_tokens: the completion cap (rollout.max_new_tokens).
         pool: the RewardPool the task's rewards use (and the load-time reference check); None =
             the process-wide default pool.
+        tools: multi-turn tools, (JSON schemas, their fallback system text, whether the chat
+            template renders `tools=`) (fastgrpo.trainer.build.load_episode_parts); None = none.
     """
     kind = task_kind(dcfg)
     if kind == "arithmetic":
@@ -173,7 +175,7 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
 
     train_parsed = [parse(r, w) for r, w in zip(train_rows, train_rows.locations)]
     held_parsed = [parse(r, w) for r, w in zip(held_rows, held_rows.locations)]
-    fmt = PromptFormatter(tokenizer, dcfg.chat_template, dcfg.system_prompt, dcfg.enable_thinking)
+    fmt = PromptFormatter(tokenizer, dcfg.chat_template, dcfg.system_prompt, dcfg.enable_thinking, tools=tools)
     shot_idx: List[int] = []
     if dcfg.few_shot:
         shot_idx = [i for i, (_, c) in enumerate(train_parsed) if c][:dcfg.few_shot]

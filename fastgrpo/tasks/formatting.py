@@ -58,7 +58,7 @@ class PromptFormatter:
     """Renders turns into the model's prompt text (and SFT completions) for one task."""
 
     def __init__(self, tokenizer=None, chat_template: str = "auto", system_prompt: Optional[str] = None,
-                 enable_thinking: Optional[bool] = None):
+                 enable_thinking: Optional[bool] = None, tools=None):
         if chat_template not in ("auto", "on", "off"):
             raise ValueError(f"data.chat_template={chat_template!r}: expected auto, on or off")
         has = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
@@ -71,6 +71,11 @@ class PromptFormatter:
         self.use_template = has and chat_template != "off"  # auto: the template when the tokenizer has one
         self.system_prompt = system_prompt or None
         self.enable_thinking = enable_thinking
+        # multi-turn tools (fastgrpo.episodes): (schemas, the fallback text, whether the template renders
+        # `tools=`): a template that does gets the schemas, any other prompt the text as its system part
+        self.tools = tools
+        if tools is not None and not (self.use_template and tools[2]):
+            self.system_prompt = tools[1] + ("\n\n" + self.system_prompt if self.system_prompt else "")
         self.shots: List[Tuple[Turns, str]] = []  # few-shot examples: (turns, completion)
         self._warned = False
 
@@ -92,6 +97,8 @@ class PromptFormatter:
         kw: Dict[str, Any] = {}
         if self.enable_thinking is not None:
             kw["enable_thinking"] = self.enable_thinking
+        if self.tools is not None and self.tools[2]:
+            kw["tools"] = self.tools[0]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   **kw)
 

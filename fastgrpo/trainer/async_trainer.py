@@ -61,8 +61,20 @@ def build_worker_engine(cfg, prompt_len: int = 0):
                                    prompt_len=prompt_len or None)
         if lora.is_lora(model):  # the broadcasts land in it, the engine gets the adapter (or merged weights) from it
             eng.lora_module = model
-        return eng, kind
-    return TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads), kind
+        return _with_episodes(cfg, eng, tok), kind
+    return _with_episodes(cfg, TorchEngine(model, tok, max_batch_size=256, num_threads=cfg.rollout.worker_threads),
+                          tok), kind
+
+
+def _with_episodes(cfg, engine, tokenizer):
+    """A worker's engine with its multi-turn runner (`engine.episodes`) when rollout.tools / env are
+    set: the worker runs the episodes (and their tools) in its own process."""
+    if cfg.rollout.episodes:
+        from fastgrpo.trainer.build import build_episode_runner, load_episode_parts
+
+        engine.episodes = build_episode_runner(cfg.rollout, engine, tokenizer,
+                                               load_episode_parts(cfg.rollout, tokenizer))
+    return engine
 
 
 class _AsyncMetrics:
@@ -83,12 +95,13 @@ class _AsyncMetrics:
 
 class AsyncTrainer(Trainer):
     def __init__(self, cfg, model=None, tokenizer=None, task=None, engine=None, backend=None, curriculum=None,
-                 log=print, pool=None, rewards=None):
+                 log=print, pool=None, rewards=None, episodes=None):
         if engine is None and model is not None:  # evaluation samples from the trainer's own module
             from fastgrpo.rollout.torch_engine import TorchEngine
 
             engine = TorchEngine(model, tokenizer, max_batch_size=256)
-        super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log, rewards=rewards)
+        super().__init__(cfg, model, tokenizer, task, engine, backend, curriculum, log, rewards=rewards,
+                         episodes=episodes)
         if self.world_size > 1 and self._zero3():
             raise ValueError("rollout.mode=async with several trainer ranks under distributed.zero_stage=3: not built "
                              "(rank 0 alone gathers the weights it broadcasts); use zero_stage <= 2 or one rank")

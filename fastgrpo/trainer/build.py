@@ -33,6 +33,86 @@ class RunParts:
     task: Any                         # the task, rows checked against the tokenizer and the context
     rewards: Any                      # the reward functions of rewards.functions (registry.build_rewards)
     stage: Optional[tuple] = None     # the RM stage's own (task, rewards), built at load when rm_stage.steps > 0
+    episodes: Any = None              # multi-turn tools / environment (EpisodeParts), loaded and checked at load
+
+    def __iter__(self):
+        """(tokenizer, task, rewards): load_run's return before RunParts, for callers that unpack it."""
+        return iter((self.tokenizer, self.task, self.rewards))
+
+    def __getitem__(self, i):
+        return (self.tokenizer, self.task, self.rewards)[i]
+
+
+@dataclass
+class EpisodeParts:
+    """What multi-turn episodes need, loaded and checked once at load (rollout.tools / rollout.env)."""
+
+    tools: Dict[str, Any]             # {name: fastgrpo.episodes.tools.Tool}
+    env: Any = None                   # fastgrpo.episodes.env.EnvSpec, or None
+    history: str = "keep"             # keep | fork: what a template that rewrites history does (auto resolved)
+    native: bool = False              # the chat template renders `tools=` (else the fallback system text)
+
+    @property
+    def prompt_tools(self):
+        """(schemas, fallback system text, whether the template renders them) for the task's prompts."""
+        if not self.tools:
+            return None
+        from fastgrpo.episodes.calls import tools_system_prompt
+
+        schemas = [t.schema for t in self.tools.values()]
+        return schemas, tools_system_prompt(self.tools.values()), self.native
+
+
+def load_episode_parts(rcfg: RolloutConfig, tokenizer, base_dir: Optional[str] = None) -> Optional[EpisodeParts]:
+    """The tools and environment of rollout.tools / rollout.env, imported and checked now (before
+    any model starts): every spec imports and has its schema, the chat template renders a tool
+    turn as a clean extension, a template that rewrites history has rollout.history set, and the
+    episode budget (rollout.max_new_tokens) holds a tool answer and a turn. None without episodes."""
+    if not rcfg.episodes:
+        return None
+    from fastgrpo.episodes.calls import template_supports_tools
+    from fastgrpo.episodes.render import TemplateError, TurnRenderer, rewrites_history
+    from fastgrpo.episodes.tools import load_tools
+
+    tools = load_tools(rcfg.tools, base_dir) if rcfg.tools else {}
+    env = None
+    if rcfg.env:
+        from fastgrpo.episodes.env import load_env
+
+        env = load_env(rcfg.env, base_dir)
+    schemas = [t.schema for t in tools.values()] or None
+    native = bool(tools) and template_supports_tools(tokenizer)
+    try:
+        renderer = TurnRenderer(tokenizer, tools=schemas if native else None)
+        (_, env_ids), (_, head) = renderer.environment([{"role": "tool" if tools else "user", "content": "0"}])
+    except TemplateError as e:
+        raise ValueError(f"config rollout.tools / rollout.env: {e}") from None
+    overhead = len(renderer.close_ids if renderer.template else []) + len(env_ids) + len(head)
+    if rcfg.max_turns > 1 and rcfg.max_new_tokens <= overhead + 1:
+        raise ValueError(f"config rollout.max_new_tokens={rcfg.max_new_tokens}: the episode budget must hold a tool "
+                         f"answer ({overhead} tokens of template around it) and a turn; set it above {overhead + 1}")
+    history = rcfg.history
+    rewrites = any(rewrites_history(tokenizer, role) for role in ("user", "tool"))
+    if rewrites and history == "auto":
+        raise ValueError("config rollout.history=auto: the chat template rewrites earlier assistant turns (e.g. Qwen3 "
+                         "drops their <think> blocks); choose rollout.history=keep (train the episode as sampled) or "
+                         "fork (a new sample where the template's history differs)")
+    return EpisodeParts(tools=tools, env=env, history="keep" if history == "auto" else history, native=native)
+
+
+def build_episode_runner(rcfg: RolloutConfig, engine, tokenizer, parts: EpisodeParts, hook=None):
+    """The EpisodeRunner of a run (fastgrpo.rollout.episodes): its tools' executor and settings."""
+    from fastgrpo.episodes.executor import ToolExecutor
+    from fastgrpo.rollout.episodes import EpisodeRunner, EpisodeSettings
+
+    settings = EpisodeSettings(max_turns=rcfg.max_turns, max_tokens=rcfg.max_new_tokens, history=parts.history,
+                               groups=rcfg.episode_groups, tool_errors=rcfg.tool_errors)
+    executor = None
+    if parts.tools:
+        executor = ToolExecutor(parts.tools, timeout=rcfg.tool_timeout, max_output_chars=rcfg.tool_output_chars,
+                                max_parallel=rcfg.tool_parallel, per_episode=rcfg.tool_parallel_per_episode)
+    return EpisodeRunner(engine, tokenizer, settings, tools=parts.tools, executor=executor, env_spec=parts.env,
+                         env_timeout=rcfg.tool_timeout, hook=hook, native_tools=parts.native)
 
 
 def build_model(mcfg: ModelConfig, tokenizer=None):
@@ -193,16 +273,19 @@ def build_tokenizer(mcfg: ModelConfig):
     return tok, (int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
 
 
-def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = None, max_new_tokens: int = 0):
+def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = None, max_new_tokens: int = 0,
+               tools=None):
     """The task of `data`: the built-in arithmetic task, or a dataset (fastgrpo.tasks.build)
-    formatted with `tokenizer` (its chat template) and checked against `context_len`."""
+    formatted with `tokenizer` (its chat template, the tools of `EpisodeParts.prompt_tools`) and
+    checked against `context_len`."""
     if dcfg.task == "arithmetic" or (dcfg.task == "auto" and not dcfg.path):
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
     from fastgrpo.tasks.build import build_task as build_data_task
 
-    return build_data_task(dcfg, tokenizer=tokenizer, context_len=context_len, max_new_tokens=max_new_tokens)
+    return build_data_task(dcfg, tokenizer=tokenizer, context_len=context_len, max_new_tokens=max_new_tokens,
+                           tools=tools)
 
 
 def build_optimizer(model, ocfg: OptimizerConfig, total_steps: int):

@@ -77,7 +77,12 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
     problems = list(problems)[: ecfg.max_problems]
     k = ecfg.num_samples
     sampling = sampling_config(rcfg, temperature=ecfg.temperature, seed=1234 if ecfg.temperature > 0 else None)
-    groups = engine.generate([p.prompt for p in problems], n=k, sampling=sampling)
+    runner = getattr(engine, "episodes", None)  # multi-turn: held-out episodes run with their tools too
+    if runner is not None:
+        ids = engine.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+        groups = runner.run(problems, ids, k, sampling)
+    else:
+        groups = engine.generate([p.prompt for p in problems], n=k, sampling=sampling)
     from fastgrpo.rewards.registry import RewardInputs, call_reward
 
     comps = [c for g in groups for c in g]

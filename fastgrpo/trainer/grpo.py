@@ -68,7 +68,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
     from `cfg`."""
 
     def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, task=None, engine=None, backend=None,
-                 curriculum=None, log=print, rewards=None):
+                 curriculum=None, log=print, rewards=None, episodes=None):
         from fastgrpo.trainer.backend import backend_from_config
 
         self.cfg = cfg
@@ -109,6 +109,14 @@ class Trainer(UpdateMixin, CheckpointMixin):
         if engine is None:
             engine = build_rollout_engine(cfg.rollout, self.backend.module, tokenizer, prompt_len=self._max_prompt_len)
         self.engine = engine
+        # multi-turn episodes (rollout.tools / rollout.env): the runner drives the engine turn by turn
+        self.episodes = None
+        if cfg.rollout.episodes:
+            from fastgrpo.trainer.build import build_episode_runner, load_episode_parts
+
+            parts = episodes if episodes is not None else load_episode_parts(cfg.rollout, tokenizer)
+            self.episodes = build_episode_runner(cfg.rollout, engine, tokenizer, parts)
+            engine.episodes = self.episodes  # held-out evaluation runs episodes too (trainer.evaluation)
         self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
         self.loss_cfg = cfg.algorithm.loss_config(cfg.rollout.temperature, cfg.rollout.max_new_tokens)
         # Gemma 2/3's final-logit cap runs inside the loss and scoring kernels (no capped [N, V] copy)
@@ -195,8 +203,11 @@ class Trainer(UpdateMixin, CheckpointMixin):
             self._tokenize(problems)
             with gen() if gen is not None else contextlib.nullcontext():
                 try:
-                    groups = self.engine.generate([self._prompt_ids[p.id] for p in problems],
-                                                  n=self.cfg.rollout.group_size, sampling=self.sampling)
+                    ids = [self._prompt_ids[p.id] for p in problems]
+                    if self.episodes is not None:  # multi-turn: turn by turn, tools out of process
+                        groups = self.episodes.run(problems, ids, self.cfg.rollout.group_size, self.sampling)
+                    else:
+                        groups = self.engine.generate(ids, n=self.cfg.rollout.group_size, sampling=self.sampling)
                 except ValueError as e:  # the sampler's finiteness check: the policy's logits are NaN / inf
                     if "not finite" not in str(e):
                         raise
@@ -390,5 +401,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
 
     def close(self) -> None:
         self.metrics.close()
+        if self.episodes is not None:
+            self.episodes.close()
         if getattr(self.engine, "model", None) is not self.backend.module:
             self.engine.close()

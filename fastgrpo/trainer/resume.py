@@ -85,6 +85,8 @@ class CheckpointMixin:
         if os.path.exists(mine):  # each rank's own RNG stream (state.pt holds rank 0's)
             ckpt.set_rng_state(ckpt.load_torch_file(mine))
         self.step_num = int(state["step"])
+        if hasattr(self, "metrics"):  # the rows of the steps this run redoes leave metrics.jsonl
+            self.metrics.drop_steps_after(self.step_num)
         self.nan_skips = int(state["extra"].get("nan_skips", 0))
         self.reward_errors = int(state["extra"].get("reward_errors", 0))
         if hasattr(self.reward_fns, "load_state_dict"):

@@ -50,13 +50,16 @@ class UpdateMixin:
                 if not keep[i]:
                     continue
                 pid = self._prompt_ids[p.id]
-                prompts += [pid] * len(grp)
-                advs += [token_advantages(a, c) for a, c in zip(adv_rows[i], grp)]  # + dense step advantages
                 for j, c in enumerate(grp):
-                    comps.append(c.token_ids)
-                    ids.append((p.id, j))
-                    cmask.append(c.sampled_mask)  # 0/1: forced tokens carry no gradient
-                    olps.append(c.logprobs if behav else None)
+                    # an episode (fastgrpo.rollout.episodes) carries its own prompt when reset() added an
+                    # observation, and its forks (rollout.history=fork) train with their episode's advantage
+                    for k, part in enumerate([c] + list(getattr(c, "forks", ()) or ())):
+                        prompts.append(getattr(part, "prompt_ids", None) or pid)
+                        advs.append(token_advantages(adv_rows[i][j], part))  # + dense step advantages
+                        comps.append(part.token_ids)
+                        ids.append((p.id, j + k * len(grp)))  # a fork's sample id follows the group's
+                        cmask.append(part.sampled_mask)  # 0/1: forced and environment tokens carry no gradient
+                        olps.append(part.logprobs if behav else None)
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             if self.world_size > 1:
                 # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
@@ -65,7 +68,8 @@ class UpdateMixin:
                 prompts, comps, advs, ids, cmask, olps = (list(x) for x in zip(*recs)) if recs else ([], [], [], [], [], [])
                 lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
-            share = self._share_prefix()
+            # a shared prefix is one prompt per group: not for episodes whose prompts differ within one
+            share = self._share_prefix() and all(pr is self._prompt_ids[key[0]] for pr, key in zip(prompts, ids))
             # a sequence over the budget gets a micro-batch of its own instead of failing the step;
             # with shared prefixes whole groups go to one micro-batch (their prompt is then carried
             # once); every rank runs the same number of micro-batches (`agree`: the max over ranks)

@@ -159,7 +159,9 @@ class Orchestrator:
             # the worker starts it on weights at least as new as its admission's (an overlapped
             # broadcast of that version may still be on its way)
             newest = max(self.items[i].admit_version for i in idxs)
-            ref = self.pool.submit(w, self._call_seq, ids, self.G, self.sampling, seeds, newest)
+            # multi-turn episodes need the problems themselves (an environment's reset(row), fork prompts)
+            probs = [self.items[i].problem for i in idxs] if self.cfg.rollout.episodes else None
+            ref = self.pool.submit(w, self._call_seq, ids, self.G, self.sampling, seeds, newest, probs)
             self.calls[ref] = (w, idxs)
             self.outstanding[w] += len(idxs)
 

@@ -280,9 +280,9 @@ class WorkerPool:
         refs = [a.set_version.options(concurrency_group="sync").remote(version) for a in self.actors]
         self.get(refs, range(self.n), f"version bump to {version}", step)
 
-    def submit(self, i: int, call_id: int, prompt_ids, n: int, sampling, seeds, min_version: int = 0):
+    def submit(self, i: int, call_id: int, prompt_ids, n: int, sampling, seeds, min_version: int = 0, problems=None):
         return self.actors[i].generate.options(concurrency_group="gen").remote(call_id, prompt_ids, n, sampling, seeds,
-                                                                               min_version)
+                                                                               min_version, problems)
 
     def stats(self, step: int) -> List[Dict]:
         refs = [a.stats.options(concurrency_group="sync").remote() for a in self.actors]

@@ -195,6 +195,8 @@ class RolloutWorker:
         """Release the engine (vLLM's engine process) before the actor is killed."""
         if self._shm is not None:
             self._shm.close()
+        if getattr(self.engine, "episodes", None) is not None:  # its tool workers and environments
+            self.engine.episodes.close()
         if self.kind == "vllm":
             self.engine.close()
 
@@ -269,10 +271,13 @@ class RolloutWorker:
                                f"sync.timeout={timeout:g} s (it holds version {self.version})")
 
     def generate(self, call_id: int, prompt_ids: List[List[int]], n: int, sampling,
-                 seeds: Optional[List[int]] = None, min_version: int = 0) -> Dict:
+                 seeds: Optional[List[int]] = None, min_version: int = 0, problems=None) -> Dict:
         """G = `n` completions for each prompt under the newest staged weights, at least version
         `min_version` (the version the prompts were admitted under). `seeds`: one per prompt
-        (deterministic mode), else the worker's own RNG stream."""
+        (deterministic mode), else the worker's own RNG stream. `problems` (multi-turn episodes:
+        the engine's `episodes` runner): the episodes run turn by turn, staged weights loading
+        between two turns under rollout.inflight=keep | abort, every sampled token tagged with the
+        version that sampled it."""
         start = time.perf_counter()
         if self._last_end is not None:
             self._idle_s += start - self._last_end
@@ -284,7 +289,18 @@ class RolloutWorker:
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")
         version = self.version  # the version of the call's first tokens (later ones may be newer: token_versions)
-        if seeds is None:
+        runner = getattr(self.engine, "episodes", None)
+        if runner is not None and problems is not None:
+            runner.version = lambda: self.version
+            mid = getattr(self.engine, "inflight", None)
+            runner.hook = mid.poll if mid is not None else None  # a swap may land between two turns
+            if seeds is None:
+                groups = runner.run(problems, prompt_ids, n, sampling)
+            else:
+                groups = []
+                for prob, ids, seed in zip(problems, prompt_ids, seeds):
+                    groups += runner.run([prob], [ids], n, dataclasses.replace(sampling, seed=seed))
+        elif seeds is None:
             groups = self.engine.generate(prompt_ids, n=n, sampling=sampling)
         else:
             groups = []
@@ -292,7 +308,8 @@ class RolloutWorker:
                 groups += self.engine.generate([ids], n=n, sampling=dataclasses.replace(sampling, seed=seed))
         for g in groups:
             for c in g:
-                c.policy_version = version
+                if getattr(c, "episode", None) is None:  # an episode's versions are its ledger's, token by token
+                    c.policy_version = version
         self._generated += len(prompt_ids)
         self._last_end = time.perf_counter()
         return {"call": call_id, "groups": groups, "version": self.version, "worker": self.index,

@@ -99,16 +99,19 @@ def test_trainer_writes_samples_every_n_steps_and_resumes_without_duplicates(cfg
     rows = [json.loads(line) for line in lines]
     assert [r["step"] for r in rows] == [1] * 3 + [2] * 3 + [3] * 3  # 3 rows a step, step 3 once
     assert not any("marker" in r for r in rows)
+    # metrics.jsonl drops the redone step too (issue 34): one point per step for a plot
+    assert [r["step"] for r in read_samples(str(out / "metrics.jsonl"))] == [1, 2, 3]
     for r in rows:
         assert set(r) >= {"prompt_id", "prompt", "completion", "rewards", "reward", "advantage", "length",
                           "finish_reason", "zero_std", "pick"}
         assert set(r["rewards"]) == {"accuracy", "format"}
 
-    every2 = cfg_factory("steps=4", f"logging.out_dir={tmp_path / 'two'}", "logging.samples_every=2")
+    # every 2 steps, and the first and the last: a run shorter than samples_every shows samples too
+    every2 = cfg_factory("steps=5", f"logging.out_dir={tmp_path / 'two'}", "logging.samples_every=2")
     t = Trainer(every2, task=NoisyTask(), log=lambda m: None)
     t.train()
     t.close()
-    assert sorted({r["step"] for r in read_samples(str(tmp_path / "two" / "samples.jsonl"))}) == [2, 4]
+    assert sorted({r["step"] for r in read_samples(str(tmp_path / "two" / "samples.jsonl"))}) == [1, 2, 4, 5]
     off = cfg_factory("steps=1", f"logging.out_dir={tmp_path / 'off'}", "logging.samples_every=0")
     t = Trainer(off, task=NoisyTask(), log=lambda m: None)
     t.train()

@@ -327,3 +327,21 @@ def test_step_advantages_match_a_group_by_group_reference(credit):
             want = np.cumsum(a[::-1])[::-1] if credit == "to_go" else a
             np.testing.assert_allclose(got[j], want, rtol=1e-12, atol=1e-12)
     assert got[8].tolist() == [0.0, 0.0]
+
+
+def test_dense_steps_alone_report_no_missing_steps_and_log_their_metrics(char_tok):
+    """With `process` not among rewards.functions (dense step advantages alone) a completion
+    without steps is no reward error (it only gets no step advantage), and the step metrics reach
+    the rewards' metrics (metrics.jsonl) either way (issue 34)."""
+    pc = ProcessConfig(scorer="arithmetic", regex=DEMO_REGEX, dense_weight=1.0)
+    dense = build_rewards(RewardsConfig(functions=["accuracy"], weights=[1.0], process=pc), Task(), 24)
+    groups = [[_comp(char_tok, "<think>4+3</think><answer>7</answer>"), _comp(char_tok, "7")]]
+    dense.process.attach_dense([_problem(1, 3, 4)], groups, char_tok)
+    assert dense.process.drain_errors() == []
+    m = dense.metrics()
+    assert m["process/no_steps"] == 0.5 and m["process/steps_mean"] == 1.0 and m["process/failed"] == 0.0
+    assert m["process/step_score_mean"] == 1.0
+    outcome = build_rewards(RewardsConfig(functions=["process"], weights=[1.0], process=pc), Task(), 24)
+    outcome.process.results_for([_problem(1, 3, 4)], groups)
+    assert "found no steps" in outcome.process.drain_errors()[0]  # scored rewards.error_score: reported
+    assert outcome.metrics()["process/no_steps"] == 0.5

@@ -152,3 +152,26 @@ def test_bad_reward_entries_fail_at_config_load():
         load_config(None, ["rewards.functions=[accuracy, format]"])
     with pytest.raises(ValueError, match="accuracy reward"):
         build_rewards(_rc("accuracy"), SimpleNamespace(name="none", reward_fns=lambda: {}), 64)
+
+
+def test_a_module_beside_the_config_file_imports_from_any_working_directory(tmp_path, monkeypatch):
+    """`my_rewards:brevity` next to the config file (issue 34: ModuleNotFoundError unless
+    PYTHONPATH=.): looked up in the config file's folder, then the working directory, in this
+    process and in the user-reward worker (rewards.timeout > 0); a failure names both forms."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the found folder stays on sys.path: undone here
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "i34_rewards.py").write_text("def brevity(completions, **kw):\n    return [1.0 / len(c) for c in completions]\n")
+    (conf / "run.yaml").write_text("rewards:\n  functions: ['i34_rewards:brevity', 'i34_rewards.py:brevity']\n"
+                                   "  weights: [1.0, 1.0]\n  timeout: 30\n")
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = load_config(str(conf / "run.yaml"))
+    assert cfg.config_dir == str(conf)
+    r = build_rewards(cfg.rewards, Task(), 64, cfg.config_dir)
+    p = P(0, "q", "4")
+    for name in cfg.rewards.functions:  # both forms, scored in the worker process
+        assert call_reward(r[name], _inputs(["ab", "abcd"], [p, p])) == [0.5, 0.25]
+    with pytest.raises(ValueError, match=r"cannot import 'nowhere_i34'.*in .*conf and .*: write 'nowhere_i34:f' with "
+                                         r"nowhere_i34.py in one of those folders, or 'path/to/nowhere_i34.py:f'"):
+        build_rewards(_rc("nowhere_i34:f"), Task(), 64, str(conf))
+    sys.modules.pop("i34_rewards", None)

@@ -1,0 +1,328 @@
+"""Multi-turn, tool-using rollouts: episodes run turn by turn on any engine, many in flight.
+
+`EpisodeRunner.run(problems, prompt_ids, n, sampling)` returns, like `RolloutEngine.generate`,
+G `Completion`s per prompt: an episode flattened. Its `token_ids` are the ledger's ids after the
+prompt (fastgrpo.episodes.ledger: sampled turns, environment answers, template bridges), its
+`sampled_mask` the ledger's mask (1 only on sampled ids), its `logprobs` / `token_versions` the
+sampling log-prob and policy version of every sampled id, its `text` the text of the final model
+turn (what the rewards score: every single-turn reward works unchanged), and `episode` the
+ledger. A turn is a call of the engine's `_sample` primitive on the ids the ledger holds so far.
+
+A turn ends at the engine's eos or at `</tool_call>` (stop-at-tool-call). Then, in order: a
+turn cut by its token cap ends the episode (`budget` when the per-episode budget is spent,
+`length` when the engine's own cap was; no turn follows a truncated one); the turn's text is
+parsed for tool calls and / or handed to the environment's `step`; no call and no environment
+observation (or the environment says done) ends it (`done`); `rollout.max_turns` turns end it
+(`max_turns`); environment ids that would not fit the budget end it (`budget`); an environment
+whose reset / step times out or fails ends it (`tool_timeout` / `tool_error`); with
+`rollout.tool_errors=stop` so does the first tool error, timeout or unparsable call. Otherwise
+the tool results (an error or a timeout as text) go back to the model and the next turn starts.
+
+Many in flight (`rollout.episode_groups` = k): the episodes of a call are dealt into k groups;
+the engine decodes one group's turn while the tools of the others run (out of process, in
+parallel: fastgrpo.episodes.executor), so tool latency hides behind decoding. k = 1 is
+turn-synchronous batching (every episode decodes its turn, then every tool call runs, then the
+next turn), the loop of most peers. The bound is (d + t) / max(d, t) for a turn's decode d and
+a tool's latency t (benchmarks/bench_tools.py measures it). vLLM schedules its own requests;
+here each group's turn is one engine call, so the same code serves both engines.
+
+Asynchronous workers: `hook` (the worker's in-flight hook) is polled between two turns, so a
+weight swap may land between turns; every sampled id keeps the version that sampled it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from fastgrpo.episodes.calls import TOOL_CALL_END, format_tool_call, parse_tool_calls_ordered
+from fastgrpo.episodes.ledger import Ledger
+from fastgrpo.episodes.render import TurnRenderer, fork_prompt
+from fastgrpo.rollout.base import Completion, SamplingConfig
+
+
+@dataclass
+class EpisodeSettings:
+    max_turns: int = 4                   # model turns per episode
+    max_tokens: int = 256                # per-episode budget: sampled + environment ids after the prompt
+    history: str = "keep"                # keep | fork: a template that rewrites earlier turns (fastgrpo.episodes.render)
+    groups: int = 1                      # episodes in flight: k groups, one decoding while the others' tools run
+    tool_errors: str = "continue"        # continue (the error goes back as text) | stop (the episode ends)
+    env_role: str = "user"               # role of an environment's observation message
+    tool_role: str = "tool"              # role of a tool result message
+
+
+@dataclass
+class _Episode:
+    index: int                           # position in the call (problem index * n + sample)
+    problem: object
+    prompt: List[int]                    # ids the engine was prompted with at turn 1
+    ledger: Ledger = field(default_factory=Ledger)
+    used: int = 0                        # ids after the prompt so far (the budget's count)
+    sample_start: List[int] = field(default_factory=lambda: [0])  # ledger segment where each sample starts
+    history: List[dict] = field(default_factory=list)  # messages after the prompt (rollout.history=fork)
+    env: object = None                   # EnvProcess, when rollout.env is set
+    last_text: str = ""                  # text of the last model turn (the rewards' completion)
+    pending: Optional[list] = None       # messages waiting to be rendered once the turn's tools answer
+
+    def context(self) -> List[int]:
+        return self.ledger.ids(self.sample_start[-1])
+
+
+class EpisodeRunner:
+    """Runs episodes on `engine` (its `_sample` primitive) with `tools` ({name: Tool}) run by
+    `executor` (fastgrpo.episodes.executor.ToolExecutor) and / or an environment `env_spec`
+    (fastgrpo.episodes.env.EnvSpec, one EnvProcess per episode)."""
+
+    def __init__(self, engine, tokenizer, settings: EpisodeSettings, tools: Optional[dict] = None, executor=None,
+                 env_spec=None, env_timeout: float = 30.0, hook: Optional[Callable[[], None]] = None,
+                 native_tools: bool = True):
+        self.engine, self.tok, self.s = engine, tokenizer, settings
+        self.tools = dict(tools or {})
+        self.executor = executor
+        self.env_spec, self.env_timeout = env_spec, env_timeout
+        self.hook = hook
+        self.version: Optional[Callable[[], int]] = None  # an async worker's current policy version (tags each turn)
+        # the schemas go to the template only where it renders them (else the prompts carry the
+        # fallback system text: fastgrpo.episodes.calls.tools_system_prompt)
+        schemas = ([t.schema for t in self.tools.values()] or None) if native_tools else None
+        self.renderer = TurnRenderer(tokenizer, tools=schemas)
+        self._schemas = schemas
+        end = tokenizer.convert_tokens_to_ids(TOOL_CALL_END) if self.tools else None
+        unk = getattr(tokenizer, "unk_token_id", None)
+        # `</tool_call>` as one token: a stop id (checked on the id each step) instead of a stop
+        # string (matched on the decoded text)
+        self._stop_id = end if isinstance(end, int) and end >= 0 and end != unk else None
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fastgrpo-env")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        if self.executor is not None:
+            self.executor.close()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, problems: Sequence, prompt_ids: Sequence[Sequence[int]], n: int,
+            sampling: SamplingConfig) -> List[List[Completion]]:
+        eps = [_Episode(i * n + j, p, list(ids)) for i, (p, ids) in enumerate(zip(problems, prompt_ids)) for j in range(n)]
+        for ep in eps:
+            ep.ledger.append("prompt", ep.prompt, 0)
+        try:
+            if self.env_spec is not None:
+                self._start_envs(eps)
+            self._loop(eps, sampling)
+        finally:
+            for ep in eps:
+                if ep.env is not None:
+                    ep.env.close()
+        groups: List[List[Completion]] = [[] for _ in problems]
+        for ep in eps:
+            groups[ep.index // n].append(self._flatten(ep))
+        return groups
+
+    def _loop(self, eps: List[_Episode], sampling: SamplingConfig) -> None:
+        live = [ep for ep in eps if ep.ledger.stop is None]
+        per = max(1, math.ceil(len(live) / max(1, self.s.groups)))
+        ready = list(live)
+        waiting: Dict[concurrent.futures.Future, _Episode] = {}
+        turn_sampling = self._turn_sampling(sampling)
+        while ready or waiting:
+            if ready:
+                batch, ready = ready[:per], ready[per:]
+                for ep, out in zip(batch, self._decode(batch, turn_sampling, sampling)):
+                    fut = self._after_turn(ep, out)
+                    if fut is not None:
+                        waiting[fut] = ep
+            if waiting and (not ready or any(f.done() for f in waiting)):
+                done, _ = concurrent.futures.wait(list(waiting), return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in done:
+                    ep = waiting.pop(fut)
+                    if self._answered(ep, fut.result()):
+                        ready.append(ep)
+            if self.hook is not None:
+                self.hook()  # an async worker may load staged weights here, between two turns
+
+    def _turn_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
+        if not self.tools:
+            return sampling
+        if self._stop_id is not None:
+            return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + (self._stop_id,))
+        return dataclasses.replace(sampling, stop=tuple(sampling.stop) + (TOOL_CALL_END,))
+
+    def _decode(self, batch: List[_Episode], turn_sampling: SamplingConfig, sampling: SamplingConfig):
+        """One turn of every episode of `batch`, each capped at what its budget has left (the call's
+        cap is the largest; a longer turn is cut to its episode's cap afterwards)."""
+        caps = [self.s.max_tokens - ep.used for ep in batch]
+        seeds = [None if sampling.seed is None else sampling.seed + 7919 * ep.index + ep.ledger.turns for ep in batch]
+        outs = self.engine._sample([ep.context() for ep in batch], turn_sampling, max(caps), seeds)
+        for out, cap in zip(outs, caps):
+            if len(out.token_ids) > cap:
+                out.token_ids, out.logprobs = out.token_ids[:cap], out.logprobs[:cap]
+                out.sampled_mask = out.sampled_mask[:cap]
+                if out.token_versions is not None:
+                    out.token_versions = out.token_versions[:cap]
+                out.finish_reason = "length"
+        return outs
+
+    def _after_turn(self, ep: _Episode, out: Completion) -> Optional[concurrent.futures.Future]:
+        """Ledger the turn; end the episode or start what answers it (a Future), or None."""
+        led = ep.ledger
+        turn = led.turns + 1
+        v = out.policy_version if out.policy_version is not None else (self.version() if self.version else None)
+        versions = out.token_versions or ([v] * len(out.token_ids) if v is not None else None)
+        parse_text = self.tok.decode(out.token_ids, skip_special_tokens=False)
+        led.append("sampled", out.token_ids, turn, logprobs=out.logprobs, versions=versions, text=out.text)
+        ep.used += len(out.token_ids)
+        ep.last_text = out.text
+        ep.history.append({"role": "assistant", "content": out.text})
+        if out.finish_reason == "length":  # no turn follows a truncated one
+            led.end("budget" if ep.used >= self.s.max_tokens else "length")
+            return None
+        items = parse_tool_calls_ordered(parse_text) if self.tools else []
+        led.tool_calls += sum(1 for c in items if not isinstance(c, str))
+        led.parse_errors += sum(1 for c in items if isinstance(c, str))
+        if items and turn >= self.s.max_turns:
+            led.end("max_turns")
+            return None
+        if ep.env is not None:
+            return self._threads.submit(self._env_step, ep, parse_text, items)
+        if not items:
+            led.end("done")
+            return None
+        if self.s.tool_errors == "stop" and led.parse_errors:
+            led.end("parse_error")
+            return None
+        return self.executor.submit(ep.index, items)
+
+    def _env_step(self, ep: _Episode, text: str, items: list):
+        """The environment's answer to a turn (run on a thread: the call itself is out of process)."""
+        from fastgrpo.episodes.env import EnvFailure
+
+        results = self.executor.run(ep.index, items) if items and self.executor is not None else []
+        try:
+            obs, reward, done = ep.env.step(text)
+        except EnvFailure as e:
+            return ("failed", e.status, str(e))
+        return ("ok", results, (obs, reward, done))
+
+    def _answered(self, ep: _Episode, answer) -> bool:
+        """Append what answered the turn; True when the episode goes on to another turn."""
+        led = ep.ledger
+        if isinstance(answer, tuple):  # the environment's step
+            if answer[0] == "failed":
+                led.end("tool_timeout" if answer[1] == "timeout" else "tool_error")
+                return False
+            results, (obs, reward, done) = answer[1], answer[2]
+            if reward is not None:
+                led.env_reward = (led.env_reward or 0.0) + float(reward)
+                led.turn_rewards.append((len(led.ids(1)) - 1, float(reward)))
+            msgs = self._tool_messages(ep, results)
+            if obs:
+                msgs.append({"role": self.s.env_role, "content": str(obs)})
+            if done or not msgs:
+                led.end("done")
+                return False
+        else:
+            msgs = self._tool_messages(ep, answer)
+        if self.s.tool_errors == "stop" and (led.tool_errors or led.tool_timeouts):
+            led.end("tool_timeout" if led.tool_timeouts else "tool_error")
+            return False
+        return self._extend(ep, msgs)
+
+    def _tool_messages(self, ep: _Episode, results) -> List[dict]:
+        led = ep.ledger
+        msgs = []
+        for r in results:
+            led.tool_errors += r.status == "error"
+            led.tool_timeouts += r.status == "timeout"
+            msgs.append({"role": self.s.tool_role, "name": r.name, "content": r.output})
+        return msgs
+
+    def _extend(self, ep: _Episode, msgs: List[dict]) -> bool:
+        """Close the model's turn, render the environment's messages and the next header into the
+        ledger, within the budget; or fork a new sample (rollout.history=fork)."""
+        led = ep.ledger
+        turn = led.turns
+        close = self.renderer.close(led.segments[-1].ids)
+        (env_text, env_ids), (head_text, head_ids) = self.renderer.environment(msgs)
+        if ep.used + len(close) + len(env_ids) + len(head_ids) >= self.s.max_tokens:
+            led.end("budget")  # no room for the answer and at least one sampled token
+            return False
+        ep.history += msgs
+        if close:
+            led.append("bridge", close, turn, text=self.tok.decode(close, skip_special_tokens=False))
+        led.append("environment", env_ids, turn, text=env_text)
+        if head_ids:
+            led.append("bridge", head_ids, turn, text=head_text)
+        ep.used += len(close) + len(env_ids) + len(head_ids)
+        if self.s.history == "fork" and self.renderer.template:
+            self._maybe_fork(ep)
+        return True
+
+    def _maybe_fork(self, ep: _Episode) -> None:
+        """rollout.history=fork: when the template's rendering of the history differs from the
+        ledger, the next turn starts a new sample prompted with the template's rendering."""
+        text = fork_prompt(self.tok, ep.problem.prompt, ep.history, self._schemas)
+        # compared as text: the ledger's ids are the sampled split, which re-encoding would not give back
+        if text != self.tok.decode(ep.context(), skip_special_tokens=False):
+            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            ep.ledger.append("prompt", ids, ep.ledger.turns, text=text)
+            ep.sample_start.append(len(ep.ledger.segments) - 1)
+
+    def _start_envs(self, eps: List[_Episode]) -> None:
+        from fastgrpo.episodes.env import EnvFailure, EnvProcess
+
+        for ep in eps:
+            ep.env = EnvProcess(self.env_spec, timeout=self.env_timeout)
+        futs = {self._threads.submit(ep.env.reset, dict(getattr(ep.problem, "row", {}) or {})): ep for ep in eps}
+        for fut, ep in futs.items():
+            try:
+                obs = fut.result()
+            except EnvFailure as e:
+                ep.ledger.end("tool_timeout" if e.status == "timeout" else "tool_error")
+                continue
+            if obs:
+                self._first_observation(ep, str(obs))
+
+    def _first_observation(self, ep: _Episode, obs: str) -> None:
+        """reset()'s observation: a message after the task's prompt, before the first turn; the
+        episode's prompt becomes the template's rendering of both (a prompt segment of its own)."""
+        msg = {"role": self.s.env_role, "content": obs}
+        if self.renderer.template:
+            text = fork_prompt(self.tok, ep.problem.prompt, [msg], self._schemas)
+        else:
+            text = ep.problem.prompt + f"\n{obs}\n"
+        ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+        ep.ledger.segments[0].ids = ids  # the episode has not started: its prompt is set, not rewritten
+        ep.prompt = ids
+
+    # ------------------------------------------------------------------ flatten
+    def _flatten(self, ep: _Episode) -> Completion:
+        """The episode as the trainer's Completion (its first sample), later samples (forks) in
+        `forks`, each a Completion with its own `prompt_ids`."""
+        led = ep.ledger
+        if led.stop is None:  # every path above ends the episode; a bug if not
+            raise RuntimeError(f"episode {ep.index} did not end")
+        led.check()
+        starts = ep.sample_start + [len(led.segments)]
+        samples = []
+        for a, b in zip(starts, starts[1:]):
+            seg = led.segments[a:b]
+            while seg and seg[-1].kind != "sampled":  # trailing environment ids train nothing
+                seg = seg[:-1]
+            sub = Ledger(segments=seg)
+            samples.append((seg[0].ids, sub))
+        (prompt, first), forks = samples[0], samples[1:]
+        c = self._completion(first, ep, prompt)
+        c.forks = [self._completion(s, ep, p) for p, s in forks]
+        c.episode = led
+        return c
+
+    def _completion(self, sub: Ledger, ep: _Episode, prompt: List[int]) -> Completion:
+        ids, mask, lps, vers = sub.ids(1), sub.mask(1), sub.logprobs(1), sub.versions(1)
+        finish = "length" if ep.ledger.stop in ("length", "budget") else "stop"
+        c = Completion(ids, lps, finish, text=ep.last_text, sampled_mask=mask,
+                       policy_version=vers[0] if vers else None, token_versions=vers)
+        c.prompt_ids = prompt
+        return c

@@ -1,0 +1,281 @@
+"""Multi-turn episodes, correct by test (issue 33, "Tests no peer ships"): the ids trained with mask 1
+are the ids the engine sampled, bit for bit (packed and unpacked, a BPE whose decode → encode is
+not the identity, a template that strips history); the behaviour log-probs are the trainer's at
+the same weights; the mask holds in every loss backend; each stop reason has its mask and reward."""
+import numpy as np
+import pytest
+import torch
+
+from episode_kit import (STRIP_TEMPLATE, ScriptedEngine, bpe_tokenizer, logits_perturbed, sampled_of, tiny_model_for,
+                         trained_ids)
+from fastgrpo.tasks.base import Problem, Task
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+
+
+class ToolTask(Task):
+    name = "tooltask"
+
+    def __init__(self, tok, n=2):
+        probs = [Problem(i, tok.apply_chat_template([{"role": "user", "content": f"What is 12*34? ({i})"}],
+                                                    tokenize=False, add_generation_prompt=True), "408", row={"i": i})
+                 for i in range(n)]
+        super().__init__(probs, probs[:1])
+
+    def reward_fns(self, pool=None):
+        return {"accuracy": lambda completions, answers: [float(a in c) for c, a in zip(completions, answers)]}
+
+
+def _trainer(tmp_path, tok, script, *extra, cap=0):
+    from trainer_helpers import tiny_cfg
+
+    from fastgrpo.trainer.grpo import Trainer
+
+    cfg = tiny_cfg(tmp_path, "rollout.tools=[calculator]", "rollout.max_turns=3", "rollout.max_new_tokens=400",
+                   "rewards.functions=[accuracy]", "rewards.weights=[1.0]", "rollout.group_size=2", *extra)
+    engine = ScriptedEngine(tok, script, cap_override=cap)
+    return Trainer(cfg, tiny_model_for(tok), tok, ToolTask(tok), engine=engine, log=lambda m: None), engine
+
+
+def _two_calls_then_answer(text, turn):
+    return (CALL, False) if turn < 3 else ("The answer is 408.", True)
+
+
+def _rollout_and_pack(trainer):
+    probs = trainer.task.train
+    groups = trainer._rollout(probs)
+    adv = np.ones((len(probs), trainer.cfg.rollout.group_size), dtype=np.float32)
+    return probs, groups, trainer._pack(probs, groups, adv, np.ones(len(probs), dtype=bool))
+
+
+@pytest.mark.parametrize("budget", [4096, 8])
+def test_trained_ids_are_the_sampled_ids_bit_for_bit(tmp_path, budget):
+    """(a) token identity, packed (one micro-batch) and unpacked (packing.max_tokens=8: one
+    sequence a micro-batch); the BPE re-encodes the sampled split differently (checked), the
+    trainer trains the split itself; the environment ids are the template's rendering."""
+    tok = bpe_tokenizer()
+    trainer, engine = _trainer(tmp_path, tok, _two_calls_then_answer, f"packing.max_tokens={budget}")
+    try:
+        probs, groups, batches = _rollout_and_pack(trainer)
+    finally:
+        trainer.close()
+    got = trained_ids(batches)
+    assert len(got) == 4 and (budget > 100) == (sum(b is not None for b in batches) == 1)
+    calls = [(tuple(ctx), tuple(ids)) for ctx, ids in engine.calls]
+    for p, grp in zip(probs, groups):
+        for j, c in enumerate(grp):
+            led = c.episode
+            assert led.stop == "done" and led.turns == 3 and led.tool_calls == 2
+            sampled = sampled_of(led)
+            for k, seg in enumerate(led.segments):  # each sampled segment: what the engine returned for that context
+                if seg.kind == "sampled":
+                    assert (tuple(led.ids()[:sum(len(s.ids) for s in led.segments[:k])]), tuple(seg.ids)) in calls
+            trained, everything = got[(p.id, j)]
+            assert trained == sampled, "the trainer trains exactly the sampled ids"
+            assert everything == c.token_ids and trainer._prompt_ids[p.id] + c.token_ids == led.ids()
+            assert tok(tok.decode(sampled), add_special_tokens=False)["input_ids"] != sampled  # re-encoding differs
+            envs = [s for s in led.segments if s.kind == "environment"]
+            assert all("<tool_response>\n408\n</tool_response>" in s.text for s in envs) and len(envs) == 2
+            assert c.text == "The answer is 408."  # the final turn is what the rewards score
+
+
+def test_mask_holds_in_every_loss_backend(tmp_path):
+    """(c) changing the logits at environment and bridge tokens changes neither the loss nor the
+    gradient, in the reference, torch-stream and Triton (interpreted) backends."""
+    from fastgrpo.loss import grpo_loss
+
+    tok = bpe_tokenizer()
+    trainer, _ = _trainer(tmp_path, tok, _two_calls_then_answer)
+    try:
+        _, _, batches = _rollout_and_pack(trainer)
+    finally:
+        trainer.close()
+    b = batches[0]
+    off = (b.loss_mask == 0).nonzero().flatten()
+    assert off.numel() > 20  # environment + bridge ids are in the completion space
+    torch.manual_seed(0)
+    logits = torch.randn(b.targets.numel(), len(tok), dtype=torch.float64)
+    cfg = trainer.loss_cfg
+    for impl in ("reference", "torch", "triton"):
+        outs = []
+        for z in (logits, logits_perturbed(logits, off)):
+            z = z.float().clone().requires_grad_(True) if impl != "reference" else z.clone().requires_grad_(True)
+            out = grpo_loss(z, b.targets, b.advantages, mask=b.loss_mask, cu_seqlens=b.loss_cu_seqlens, config=cfg,
+                            impl=impl)
+            out.loss.backward()
+            outs.append((out.loss.detach(), z.grad.detach()))
+        (l0, g0), (l1, g1) = outs
+        assert torch.equal(l0, l1), impl
+        assert torch.equal(g0, g1) and not g0[off].any(), impl
+
+
+def test_behaviour_logprobs_equal_the_trainers_on_the_builtin_engine(tmp_path):
+    """(b) log-prob parity on the real built-in engine: an environment that always answers makes
+    every episode multi-turn; each sampled id's behaviour log-prob equals the trainer's log-prob
+    of it at the same weights (float32, the packed forward) within 1e-4."""
+    from trainer_helpers import tiny_cfg
+
+    from fastgrpo.rollout.torch_engine import TorchEngine
+    from fastgrpo.trainer.grpo import Trainer
+
+    env = tmp_path / "talk_env.py"
+    env.write_text("class Env:\n    def reset(self, row):\n        self.n = 0\n"
+                   "    def step(self, text):\n        self.n += 1\n        return ('go on %d' % self.n, 0.25, False)\n")
+    tok = bpe_tokenizer()
+    model = tiny_model_for(tok, seed=3)
+    # stop strings a random model meets within a few tokens: turns end before the budget does
+    cfg = tiny_cfg(tmp_path, f"rollout.env={env}:Env", "rollout.max_turns=3", "rollout.max_new_tokens=60",
+                   "rewards.functions=[env]", "rewards.weights=[1.0]", "rollout.group_size=2", "rollout.stop=[e, a, o]")
+    trainer = Trainer(cfg, model, tok, ToolTask(tok), engine=TorchEngine(model, tok), log=lambda m: None)
+    try:
+        probs, groups, batches = _rollout_and_pack(trainer)
+        assert any(c.episode.turns >= 2 for g in groups for c in g)
+        got = trained_ids(batches)
+        logp = torch.cat([trainer._logprobs_of(trainer.backend.module, b) for b in batches if b is not None])
+    finally:
+        trainer.close()
+    mask = torch.cat([b.loss_mask for b in batches if b is not None]) > 0
+    behav = torch.tensor([lp for p, g in zip(probs, groups) for c in g for lp, m in zip(c.logprobs, c.sampled_mask)
+                          if m])
+    assert [i for p, g in zip(probs, groups) for j, c in enumerate(g) for i in got[(p.id, j)][0]] == \
+        [i for g in groups for c in g for i in sampled_of(c.episode)]
+    assert torch.allclose(logp[mask], behav, atol=1e-4), (logp[mask] - behav).abs().max()
+
+
+def test_a_template_that_rewrites_history_takes_its_documented_path(tmp_path):
+    """(d) Qwen3-style <think> stripping: refused with history=auto (one line naming the field);
+    keep trains the ledger as sampled; fork starts a new sample prompted with the template's
+    rendering, and the engine was prompted with exactly that."""
+    from fastgrpo.trainer.build import load_episode_parts
+
+    tok = bpe_tokenizer(STRIP_TEMPLATE)
+
+    def think_then_call(text, turn):
+        return ("<think>\nI should compute it.\n</think>\n\n" + CALL, False) if turn < 2 else ("408", True)
+
+    from trainer_helpers import tiny_cfg
+
+    with pytest.raises(ValueError, match=r"rollout.history=auto: the chat template rewrites earlier assistant turns"):
+        load_episode_parts(tiny_cfg(tmp_path, "rollout.tools=[calculator]", "rollout.max_new_tokens=400").rollout, tok)
+    for mode in ("keep", "fork"):
+        trainer, engine = _trainer(tmp_path / mode, tok, think_then_call, f"rollout.history={mode}")
+        try:
+            probs, groups, batches = _rollout_and_pack(trainer)
+        finally:
+            trainer.close()
+        got = trained_ids(batches)
+        for p, grp in zip(probs, groups):
+            for j, c in enumerate(grp):
+                parts = [c] + list(c.forks)
+                assert len(parts) == 1  # tool results are not user turns: nothing stripped, nothing forked
+                assert got[(p.id, j)][0] == sampled_of(c.episode)
+
+
+def test_fork_starts_a_new_sample_where_the_template_rewrites(tmp_path):
+    """(d) fork, where it bites: an environment answering as the user makes the template strip the
+    first turn's <think>; the second turn is a sample of its own whose prompt is the template's
+    rendering (what the engine was given), both samples' mask-1 ids are exactly what was sampled."""
+    from trainer_helpers import tiny_cfg
+
+    from fastgrpo.trainer.grpo import Trainer
+
+    env = tmp_path / "user_env.py"
+    env.write_text("class Env:\n    def reset(self, row):\n        self.n = 0\n"
+                   "    def step(self, text):\n        self.n += 1\n        return ('try again', None, self.n >= 2)\n")
+    tok = bpe_tokenizer(STRIP_TEMPLATE)
+
+    def script(text, turn):
+        return ("<think>\nhmm\n</think>\n\n99", True) if turn < 2 else ("408", True)
+
+    cfg = tiny_cfg(tmp_path, f"rollout.env={env}:Env", "rollout.max_turns=3", "rollout.max_new_tokens=200",
+                   "rewards.functions=[accuracy]", "rewards.weights=[1.0]", "rollout.group_size=2",
+                   "rollout.history=fork")
+    engine = ScriptedEngine(tok, script)
+    trainer = Trainer(cfg, tiny_model_for(tok), tok, ToolTask(tok), engine=engine, log=lambda m: None)
+    try:
+        probs, groups, batches = _rollout_and_pack(trainer)
+    finally:
+        trainer.close()
+    got = trained_ids(batches)
+    G = 2
+    for p, grp in zip(probs, groups):
+        for j, c in enumerate(grp):
+            assert c.episode.stop == "done" and len(c.forks) == 1
+            fork = c.forks[0]
+            text = tok.decode(fork.prompt_ids)
+            assert "<think>" not in text.split("<|im_start|>assistant")[1]  # the template's history: stripped
+            assert any(ctx == fork.prompt_ids for ctx, _ in engine.calls)  # the engine saw that prompt
+            assert got[(p.id, j)][0] == [i for i, m in zip(c.token_ids, c.sampled_mask) if m]
+            assert got[(p.id, j + G)][0] == [i for i, m in zip(fork.token_ids, fork.sampled_mask) if m]
+            assert tok.decode(got[(p.id, j + G)][0], skip_special_tokens=True) == "408"
+
+
+def _reason_env(tmp_path, body):
+    path = tmp_path / "reason_env.py"
+    path.write_text("import time\nclass Env:\n    def reset(self, row):\n        return None\n"
+                    f"    def step(self, text):\n{body}\n")
+    return f"{path}:Env"
+
+
+@pytest.mark.parametrize("reason", ["done", "max_turns", "budget", "length", "tool_timeout", "tool_error",
+                                    "parse_error"])
+def test_each_stop_reason_with_its_mask_and_reward(tmp_path, reason):
+    """(e) the truncation table: every stop reason ends the episode where README says, every sampled
+    id (a truncated turn's too) has mask 1 and nothing else has, the reward is the final turn's."""
+    tok = bpe_tokenizer()
+    extra, cap = [], 0
+    script = _two_calls_then_answer
+    if reason == "max_turns":
+        extra = ["rollout.max_turns=2"]
+    elif reason == "budget":
+        extra = ["rollout.max_new_tokens=200"]
+    elif reason == "length":
+        cap = 40  # the engine's own cap (its context) cuts the first turn
+    elif reason == "parse_error":
+        script = lambda text, turn: ('<tool_call>{"name": calculator}</tool_call>', False)  # noqa: E731
+        extra = ["rollout.tool_errors=stop"]
+    elif reason in ("tool_timeout", "tool_error"):
+        body = "        time.sleep(60)" if reason == "tool_timeout" else "        raise RuntimeError('broken env')"
+        extra = [f"rollout.env={_reason_env(tmp_path, body)}", "rollout.tool_timeout=1"]
+    trainer, engine = _trainer(tmp_path, tok, script, *extra, cap=cap)
+    try:
+        probs, groups, batches = _rollout_and_pack(trainer)
+        per_fn, total, _ = trainer._score(probs, groups)
+    finally:
+        trainer.close()
+    got = trained_ids(batches)
+    turns = {"done": 3, "max_turns": 2, "budget": None, "length": 1, "tool_timeout": 1, "tool_error": 1,
+             "parse_error": 1}[reason]
+    for p, grp in zip(probs, groups):
+        for j, c in enumerate(grp):
+            led = c.episode
+            assert led.stop == reason, (led.stop, [(s.kind, s.text) for s in led.segments])
+            if turns is not None:
+                assert led.turns == turns
+            assert got[(p.id, j)][0] == sampled_of(led)
+            assert c.sampled_mask == [1 if s.kind == "sampled" else 0 for s in led.segments[1:] for _ in s.ids][
+                :len(c.sampled_mask)]
+            assert len(c.token_ids) <= trainer.cfg.rollout.max_new_tokens
+    assert total.tolist() == [[1.0, 1.0]] * 2 if reason == "done" else total.max() == 0.0
+
+
+def test_bad_episode_config_is_refused_at_load(tmp_path):
+    """One line naming the field, before any model starts."""
+    from trainer_helpers import tiny_cfg
+
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer.build import load_episode_parts
+
+    tok = bpe_tokenizer()
+    (tmp_path / "untyped.py").write_text("def add(a, b):\n    '''Add.'''\n    return a + b\n")
+    (tmp_path / "noreset.py").write_text("class Env:\n    def step(self, text):\n        return ('', None, True)\n")
+    cases = [("rollout.tools=[nosuchmodule_xyz:f]", r"rollout.tools.*does not import"),
+             (f"rollout.tools=[{tmp_path}/untyped.py:add]", r"rollout.tools.*type hint"),
+             (f"rollout.env={tmp_path}/noreset.py:Env", r"rollout.env.*reset"),
+             ("rollout.tools=[calculator]|rollout.max_new_tokens=12", r"rollout.max_new_tokens=12: the episode budget")]
+    for overrides, pattern in cases:
+        cfg = tiny_cfg(tmp_path, *overrides.split("|"))
+        with pytest.raises(ValueError, match=pattern):
+            load_episode_parts(cfg.rollout, tok)
+    with pytest.raises(ValueError, match=r"rollout.max_turns=0"):
+        load_config(None, ["rollout.max_turns=0"])
