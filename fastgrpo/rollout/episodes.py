@@ -87,10 +87,12 @@ class EpisodeRunner:
         self.version: Optional[Callable[[], int]] = None  # an async worker's current policy version (tags each turn)
         # the schemas go to the template only where it renders them (else the prompts carry the
         # fallback system text: fastgrpo.episodes.calls.tools_system_prompt)
-        schemas = ([t.schema for t in self.tools.values()] or None) if native_tools else None
+        env_tools = list(getattr(env_spec, "tools", None) or ())  # a TRL-style environment's methods (it runs them)
+        schemas = ([t.schema for t in self.tools.values()] + env_tools or None) if native_tools else None
         self.renderer = TurnRenderer(tokenizer, tools=schemas)
         self._schemas = schemas
-        end = tokenizer.convert_tokens_to_ids(TOOL_CALL_END) if self.tools else None
+        self._calls_tools = bool(self.tools) or bool(env_tools)  # turns stop at </tool_call>
+        end = tokenizer.convert_tokens_to_ids(TOOL_CALL_END) if self._calls_tools else None
         unk = getattr(tokenizer, "unk_token_id", None)
         # `</tool_call>` as one token: a stop id (checked on the id each step) instead of a stop
         # string (matched on the decoded text)
@@ -144,7 +146,7 @@ class EpisodeRunner:
                 self.hook()  # an async worker may load staged weights here, between two turns
 
     def _turn_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
-        if not self.tools:
+        if not self._calls_tools:
             return sampling
         if self._stop_id is not None:
             return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + (self._stop_id,))

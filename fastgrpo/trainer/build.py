@@ -55,12 +55,13 @@ class EpisodeParts:
     @property
     def prompt_tools(self):
         """(schemas, fallback system text, whether the template renders them) for the task's prompts."""
-        if not self.tools:
+        env_tools = list(getattr(self.env, "tools", None) or ())  # a TRL-style environment's methods
+        if not self.tools and not env_tools:
             return None
         from fastgrpo.episodes.calls import tools_system_prompt
 
-        schemas = [t.schema for t in self.tools.values()]
-        return schemas, tools_system_prompt(self.tools.values()), self.native
+        schemas = [t.schema for t in self.tools.values()] + env_tools
+        return schemas, tools_system_prompt(list(self.tools.values()) + env_tools), self.native
 
 
 def load_episode_parts(rcfg: RolloutConfig, tokenizer, base_dir: Optional[str] = None) -> Optional[EpisodeParts]:
@@ -80,11 +81,11 @@ def load_episode_parts(rcfg: RolloutConfig, tokenizer, base_dir: Optional[str] =
         from fastgrpo.episodes.env import load_env
 
         env = load_env(rcfg.env, base_dir)
-    schemas = [t.schema for t in tools.values()] or None
-    native = bool(tools) and template_supports_tools(tokenizer)
+    schemas = [t.schema for t in tools.values()] + list(getattr(env, "tools", None) or ()) or None
+    native = bool(schemas) and template_supports_tools(tokenizer)
     try:
         renderer = TurnRenderer(tokenizer, tools=schemas if native else None)
-        (_, env_ids), (_, head) = renderer.environment([{"role": "tool" if tools else "user", "content": "0"}])
+        (_, env_ids), (_, head) = renderer.environment([{"role": "tool" if schemas else "user", "content": "0"}])
     except TemplateError as e:
         raise ValueError(f"config rollout.tools / rollout.env: {e}") from None
     overhead = len(renderer.close_ids if renderer.template else []) + len(env_ids) + len(head)
