@@ -31,16 +31,28 @@ import time
 from typing import List, Optional
 
 COMMANDS = ("train", "sft", "eval", "bench", "fuse")
+# the guide page of each command (docs/, the MkDocs site); `--help` ends with it
+DOCS_PAGES = {"": "index.md", "train": "getting-started.md", "sft": "guides/recipes.md",
+              "eval": "guides/model-and-data.md", "bench": "guides/gpu.md", "fuse": "guides/recipes.md",
+              "env": "guides/gpu.md", "export": "guides/lora.md"}
+
+
+def _docs(command: str = "") -> str:
+    """The `--help` epilog: the command's guide page, and where the reference of every flag is
+    (docs/reference/cli.md is generated from this parser when the site builds)."""
+    return (f"docs: docs/{DOCS_PAGES[command]}; every flag of every command: the docs site's "
+            "Reference > Command line (`pip install -e \".[docs]\" && mkdocs serve`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastgrpo", description="GRPO / RLVR training with fused kernels")
+    p = argparse.ArgumentParser(prog="fastgrpo", description="GRPO / RLVR training with fused kernels",
+                                epilog=_docs())
     sub = p.add_subparsers(dest="command")
     for name, help_ in (("train", "SFT cold start + GRPO (+ held-out eval before and after)"),
                         ("sft", "the SFT cold start only"), ("eval", "held-out accuracy / pass@k of model.path"),
                         ("bench", "seconds per phase and tokens/s of a few GRPO steps"),
                         ("fuse", "thinking-mode fusion (Qwen3) of model.path + the thinking-budget sweep")):
-        s = sub.add_parser(name, help=help_)
+        s = sub.add_parser(name, help=help_, epilog=_docs(name))
         s.add_argument("--config", help="YAML file of config sections (default: the embedded demo)")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                        help="override one field, e.g. --set optimizer.lr=1e-4 (repeatable)")
@@ -53,12 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--untrained", action="store_true",
                            help="score the tiny demo model with random weights (refused without this flag "
                                 "when model.path is not set)")
-    e = sub.add_parser("env", help="versions, devices, native builds and a Triton compile check, for a bug report")
+    e = sub.add_parser("env", help="versions, devices, native builds and a Triton compile check, for a bug report",
+                       epilog=_docs("env"))
     e.add_argument("--quick", action="store_true", help="no builds and no compile check: only what is already known")
-    x = sub.add_parser("export", help="a LoRA run's adapter merged into its base, as a plain HF folder")
+    x = sub.add_parser("export", help="a LoRA run's adapter merged into its base, as a plain HF folder",
+                       epilog=_docs("export"))
     x.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     x.add_argument("run", help="a LoRA run folder, one of its checkpoints, or a PEFT adapter folder")
-    x.add_argument("folder", help="the HF folder to write (transformers and vLLM load it without PEFT)")
+    x.add_argument("folder", help="the HF folder to write (transformers and vLLM load it without PEFT): new or empty")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in folder (refused when it holds a file fastgrpo did not write)")
     x.add_argument("--debug", action="store_true", help="print the traceback of an error")
     import fastgrpo
 
@@ -180,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return _run(args, cfg, source, unused, log, main_rank, existed)
     finally:
-        restore_compiler_cache(old_cache)
+        restore_compiler_cache(old_cache, out)  # and its folder, when nothing was compiled into it
 
 
 def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existed: bool) -> int:
@@ -245,7 +261,7 @@ def _export(argv: List[str], log) -> int:
     from fastgrpo.trainer.lora_run import export_merged
 
     try:
-        out = export_merged(args.run, args.folder)
+        out = export_merged(args.run, args.folder, overwrite=args.overwrite)
     except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
         return _fail(e, args, log)
     log(f"[fastgrpo] export: {args.run} merged into its base → {out}")

@@ -195,8 +195,11 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
         resume_path = cfg.checkpoint.resume
     from fastgrpo.runs.record import plan_resume, write_record
 
-    # config.yaml for a new run; a resume that changed settings says which and records them beside it
-    write_record(cfg, plan if plan is not None else plan_resume(cfg), _step_of(resume_path), log)
+    # config.yaml for a new run; a resume that changed settings says which and records them beside it,
+    # once its checkpoint took them (a resume refused there leaves no config.resume-*.yaml behind)
+    plan = plan if plan is not None else plan_resume(cfg)
+    if resume_path is None:
+        write_record(cfg, plan, 0, log)
     seed_everything(cfg.seed)
     task = parts.task
     model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
@@ -215,6 +218,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
     try:
         if resume_path is not None:
             trainer.resume(resume_path)
+            write_record(cfg, plan, _step_of(resume_path), log)
             log(f"[fastgrpo] resumed from {resume_path} at step {trainer.step_num}")
             rows = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r.get("step") == 0 and "eval/accuracy" in r]
             before = rows[-1]["eval/accuracy"] if rows else None

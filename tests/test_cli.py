@@ -2,6 +2,7 @@
 file / line / field, exit code 2, no traceback (`--debug` adds it) and no run folder; the
 settings source is chosen by model.path (the demo only for the tiny model)."""
 import argparse
+import os
 
 import pytest
 
@@ -116,3 +117,24 @@ def test_eval_of_a_run_folder_starts_from_that_runs_settings(tmp_path):
         cfg, source, _ = cli.config_from_args(_args("eval", "--set", f"model.path={target}", "--out", str(tmp_path / "e")))
         assert cfg.rollout.max_new_tokens == 24 and cfg.eval.max_problems == 7 and cfg.model.path == str(target)
         assert f"the RL run's config {run / 'config.yaml'}" in source and cfg.logging.out_dir == str(tmp_path / "e")
+
+
+def test_eval_prints_what_it_scores_as_a_person_writes_and_leaves_no_temp_folder(tmp_path, capsys, monkeypatch):
+    """issue 34: `eval/num_problems: 200.0000`, pass@k in the order computed, an eval that said
+    nothing of its task, an empty `<run>/tmp/torchinductor` left by sft / eval / bench / fuse."""
+    from fastgrpo.runs.folder import restore_compiler_cache, route_compiler_cache
+
+    out = tmp_path / "e"
+    assert cli.main(["eval", "--untrained", "--out", str(out), "--set", "data.num_heldout=3", "--set",
+                     "eval.num_samples=4", "--set", "eval.temperature=1.0", "--set", "eval.pass_k=[2, 1]"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "[fastgrpo] eval: 3 held-out problems of the built-in arithmetic task (data.task=arithmetic), 4 samples each" \
+        in lines
+    assert "eval/num_problems: 3" in lines
+    keys = [ln.split(":")[0] for ln in lines if ln.startswith("eval/")]
+    assert keys[:4] == ["eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4"], keys
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    old = route_compiler_cache(str(out))  # torch makes the folder at import; nothing is compiled into it
+    os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    restore_compiler_cache(old, str(out))
+    assert not (out / "tmp").exists() and "TORCHINDUCTOR_CACHE_DIR" not in os.environ

@@ -66,6 +66,10 @@ def _row(step, p, i, j, c, pick, per_fn, total, adv, zero_std) -> dict:
     version = _version(c)
     if version is not None:
         row["policy_version"] = version
+    episode = getattr(c, "episode", None)
+    if episode is not None:  # a multi-turn episode, turn by turn: what the model wrote vs what came back
+        row.update(stop=episode.stop, turns=episode.turns, tool_calls=episode.tool_calls,
+                   episode=episode.transcript())
     return row
 
 

@@ -12,8 +12,9 @@ from where fastgrpo is installed: torch writes their paths into the folder's bui
 ninja rebuilds whenever a command line changes, so two checkouts of the same fastgrpo used to
 share one folder and rebuild it for each other on every run (seen: four rebuilds in an
 afternoon). Now identical sources share one build wherever they are installed, and different
-sources (or another torch) get their own folder. A build that is about to run says so on stderr
-first (~30 s once, instead of a silent slow first step) and how long it took after.
+sources (or another torch) get their own folder. A build that is about to run says so on stderr,
+on a line of its own beside a progress bar, first (with how long the last build of it took on
+this machine, else a range: "~30 s" took 92 s on a busy 2-core box) and how long it took after.
 
 Concurrent builds (several ranks starting at once) are serialised by an `flock` on the build
 folder, which the kernel releases when its holder dies; a lock file left by a build killed
@@ -127,7 +128,31 @@ def _copy_sources(folder: str, files: List[str]) -> List[str]:
 
 
 def _say(msg: str) -> None:
-    print(f"fastgrpo: {msg}", file=sys.stderr, flush=True)
+    """A line of its own: through tqdm when a progress bar is drawn (printed beside it, the
+    message was glued to the bar)."""
+    try:
+        from tqdm import tqdm
+
+        tqdm.write(f"fastgrpo: {msg}", file=sys.stderr)
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        print(f"fastgrpo: {msg}", file=sys.stderr, flush=True)
+
+
+def _last_took(stem: str) -> Optional[float]:
+    """How long the last build of `stem` took on this machine (recorded beside the builds)."""
+    try:
+        with open(os.path.join(env.ext_dir(), f".{stem}.seconds")) as f:
+            return float(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _record_took(stem: str, took: float) -> None:
+    try:
+        with open(os.path.join(env.ext_dir(), f".{stem}.seconds"), "w") as f:
+            f.write(f"{took:.1f}\n")
+    except OSError:
+        pass
 
 
 def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str, lock_timeout_s: float,
@@ -145,8 +170,10 @@ def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str
 
         os.makedirs(folder, exist_ok=True)
         fresh = not os.path.isfile(os.path.join(folder, name + ".so"))
-        if fresh:
-            _say(f"compiling {what} for this CPU once, ~{eta_s} s (cached in {folder}) …")
+        if fresh:  # the estimate: this machine's last build of it (a busy 2-core box took 92 s, not ~30)
+            last = _last_took(stem)
+            eta = f"about {last:.0f} s, as the last build here" if last else f"{eta_s}–{3 * eta_s} s"
+            _say(f"compiling {what} for this CPU once, {eta} (cached in {folder}) …")
         t0 = time.monotonic()
         with open(os.path.join(folder, ".fastgrpo.lock"), "w") as lock:
             deadline = time.monotonic() + lock_timeout_s
@@ -169,6 +196,7 @@ def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str
         took = time.monotonic() - t0
         if fresh:
             _say(f"{what} built in {took:.0f} s")
+            _record_took(stem, took)
         elif took > 5.0:  # ninja found work in a cached build (its log or a copied source changed)
             _say(f"{what} rebuilt in {took:.0f} s (its cached build in {folder} was out of date)")
         return mod

@@ -184,6 +184,8 @@ class EpisodeRunner:
         items = parse_tool_calls_ordered(parse_text) if self.tools else []
         led.tool_calls += sum(1 for c in items if not isinstance(c, str))
         led.parse_errors += sum(1 for c in items if isinstance(c, str))
+        if ep.env is not None:  # the environment answers every turn (its reward for the last one too)
+            return self._threads.submit(self._env_step, ep, parse_text, items)
         if items and turn >= self.s.max_turns:
             led.end("max_turns")
             return None
@@ -224,6 +226,9 @@ class EpisodeRunner:
                 msgs.append({"role": self.s.env_role, "content": str(obs)})
             if done or not msgs:
                 led.end("done")
+                return False
+            if led.turns >= self.s.max_turns:
+                led.end("max_turns")
                 return False
         else:
             msgs = self._tool_messages(ep, answer)

@@ -7,11 +7,13 @@ files live inside the folder, and SIGINT / SIGTERM end it with a checkpoint.
   model snapshots for the vLLM engine, vLLM's own `vllm_dist_*` folders, torch's compiler cache
   (TORCHINDUCTOR_CACHE_DIR, unless the user set it) and multiprocessing's `pymp-*` folder never
   land in the machine's /tmp. The folder is emptied when the run ends and at the next start (what
-  a kill -9 left behind), so nothing outlives the run folder even then. multiprocessing's folder
-  is the exception while its process lives: it holds the fork server's socket, which may outlive
-  the run in a library user's process, so it stays until that process exits (multiprocessing
-  removes it then, and `<out_dir>/tmp` after it); where its socket path would be too long for
-  AF_UNIX (108 bytes) it stays in the system temp folder.
+  a kill -9 left behind), so nothing outlives the run folder even then. A multiprocessing folder
+  is the exception while its process lives — this one's, another rank's of the same run (marked
+  with its owner's pid and start time), a child's (its fork server's socket is bound): it may
+  outlive the run in a library user's process, so it stays until that process exits
+  (multiprocessing removes it then, and `<out_dir>/tmp` after it; removed earlier, that exit
+  printed a FileNotFoundError traceback after every early stop and two-rank run); where its
+  socket path would be too long for AF_UNIX (108 bytes) it stays in the system temp folder.
 - `route_compiler_cache(out_dir)`: torch creates its compiler cache folder when transformers
   first imports torch._dynamo, before a run starts; the CLI calls this first, and
   `discard_unused(out_dir)` removes the folder again when the command fails before the run.
@@ -74,8 +76,14 @@ def route_compiler_cache(out_dir: str) -> Optional[str]:
     return old
 
 
-def restore_compiler_cache(old: Optional[str]) -> None:
-    """Undo `route_compiler_cache` (its return value), for a process that goes on after the run."""
+def restore_compiler_cache(old: Optional[str], out_dir: Optional[str] = None) -> None:
+    """Undo `route_compiler_cache` (its return value), for a process that goes on after the run;
+    with `out_dir`, the cache folder goes too when nothing was compiled into it (torch creates it
+    empty at import: `sft`, `eval`, `bench` and `fuse` left `<run>/tmp/torchinductor` behind)."""
+    routed = _routed["inductor"]
+    if out_dir is not None and routed == os.path.join(os.path.abspath(out_dir), "tmp", "torchinductor"):
+        _rmdir_quietly(routed)
+        _rmdir_quietly(os.path.dirname(routed))  # <run>/tmp, when that leaves it empty
     if old is None:
         os.environ.pop(_INDUCTOR, None)
     else:
@@ -83,9 +91,10 @@ def restore_compiler_cache(old: Optional[str]) -> None:
 
 
 def discard_unused(out_dir: str) -> None:
-    """After a command that failed before its run began: remove `<out_dir>/tmp` and then the
-    folder itself when that leaves it empty (the caller knows it did not exist before)."""
-    shutil.rmtree(os.path.join(out_dir, "tmp"), ignore_errors=True)
+    """After a command that failed before its run began: remove `<out_dir>/tmp` (but a live
+    process's multiprocessing folder: this one's, whose exit removes it) and then the folder
+    itself when that leaves it empty (the caller knows it did not exist before)."""
+    _clear_and_remove(os.path.join(out_dir, "tmp"))
     with contextlib.suppress(OSError):
         os.rmdir(out_dir)
 
@@ -96,19 +105,77 @@ def _mp_tempdir() -> Optional[str]:
     return multiprocessing.process.current_process()._config.get("tempdir")
 
 
-def _clear(path: str, keep: Optional[str]) -> None:
-    """Empty `path` except the entry `keep` (a live multiprocessing folder)."""
+_OWNER = ".fastgrpo-owner"  # in a pymp-* folder: "<pid> <start time>" of the process whose folder it is
+
+
+def _process_id(pid: int) -> Optional[str]:
+    """"<pid> <start time>" of a live process (a pid reused by another process reads otherwise)."""
+    import psutil
+
+    try:
+        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+    except psutil.Error:
+        return None
+
+
+def _mark_owner(mp_dir: str) -> None:
+    """Name this process as the owner of its multiprocessing folder, so that another rank of the
+    same run (or the next start) keeps it while this process lives and removes it after."""
+    with contextlib.suppress(OSError):
+        with open(os.path.join(mp_dir, _OWNER), "w") as f:
+            f.write(_process_id(os.getpid()) or "")
+
+
+def _bound_sockets() -> set:
+    """Paths of the bound AF_UNIX sockets of this machine (/proc/net/unix, Linux): a fork
+    server's listener is one while its process lives."""
+    try:
+        with open("/proc/net/unix") as f:
+            return {cols[-1] for cols in (line.split() for line in f.readlines()[1:]) if len(cols) >= 8}
+    except OSError:
+        return set()
+
+
+def _live_mp_dir(entry: str, sockets: set) -> bool:
+    """Whether the `pymp-*` folder `entry` belongs to a live process: its owner mark names one
+    (this run's other ranks, a library user's earlier run), or a socket in it is bound (a child's
+    fork server). multiprocessing removes such a folder itself when its process exits; removing it
+    first makes that exit print a FileNotFoundError traceback (issue 34)."""
+    try:
+        with open(os.path.join(entry, _OWNER)) as f:
+            owner = f.read().strip()
+    except OSError:
+        owner = ""
+    if owner:
+        return _process_id(int(owner.split()[0])) == owner
+    return any(sock.startswith(entry + os.sep) for sock in sockets)
+
+
+def _clear(path: str, keep: Optional[str] = None) -> None:
+    """Empty `path` except `keep` and every multiprocessing folder of a live process."""
     if not os.path.isdir(path):
         return
+    sockets = None
     for name in os.listdir(path):
         entry = os.path.join(path, name)
         if keep is not None and os.path.abspath(entry) == os.path.abspath(keep):
             continue
+        if name.startswith("pymp-") and os.path.isdir(entry):
+            sockets = _bound_sockets() if sockets is None else sockets
+            if _live_mp_dir(os.path.abspath(entry), sockets):
+                continue
         if os.path.isdir(entry) and not os.path.islink(entry):
             shutil.rmtree(entry, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
                 os.remove(entry)
+
+
+def _clear_and_remove(path: str) -> None:
+    """`_clear` (keeping this process's multiprocessing folder too), then the folder itself when
+    nothing live is left in it (multiprocessing's exit, then `_rmdir_quietly`, remove the rest)."""
+    _clear(path, keep=_mp_tempdir())
+    _rmdir_quietly(path)
 
 
 # AF_UNIX socket paths hold 107 bytes: "<tmp>/pymp-xxxxxxxx/listener-xxxxxxxx" must fit
@@ -121,7 +188,7 @@ def run_tmpdir(out_dir: str) -> Iterator[str]:
 
     path = os.path.abspath(os.path.join(out_dir, "tmp"))  # absolute once: handed to other processes
     mp_dir = _mp_tempdir()
-    _clear(path, keep=mp_dir)  # left by a run that was killed
+    _clear(path, keep=mp_dir)  # left by a run that was killed (another rank's live folder stays)
     os.makedirs(path, exist_ok=True)
     old_dir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
     old_inductor = os.environ.get(_INDUCTOR)
@@ -134,6 +201,7 @@ def run_tmpdir(out_dir: str) -> Iterator[str]:
         # multiprocessing's folder (the fork server's socket) inside the run folder: removed by
         # multiprocessing at exit (priority -100), then <out_dir>/tmp by this finalizer
         mp_dir = multiprocessing.util.get_temp_dir()
+        _mark_owner(mp_dir)
         multiprocessing.util.Finalize(None, _rmdir_quietly, args=(path,), exitpriority=-101)
     else:
         multiprocessing.util.get_temp_dir()  # created now, outside the run folder (too long a path for its socket)
@@ -149,10 +217,7 @@ def run_tmpdir(out_dir: str) -> Iterator[str]:
             os.environ[_INDUCTOR] = old_inductor
         elif old_inductor is None:
             os.environ.pop(_INDUCTOR, None)
-        live = _mp_tempdir()
-        _clear(path, keep=live)
-        if live is None or not os.path.abspath(live).startswith(path + os.sep):
-            shutil.rmtree(path, ignore_errors=True)
+        _clear_and_remove(path)
 
 
 def _rmdir_quietly(path: str) -> None:

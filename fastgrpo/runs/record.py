@@ -6,12 +6,15 @@ compares its settings with the run's newest record *before anything is written*:
 
 - a change the saved state cannot take — the model's shape or origin (`model.path`, `arch`,
   `hidden_size`, `num_hidden_layers`, `intermediate_size`, `num_attention_heads`, `model.lora.*`),
-  the task or its data (`data.task`, `data.path`) — is refused with one ValueError line naming
-  each changed field, old → new; nothing in the folder changes;
+  the task or its problems (every `data.*` field but the prompt's and the answer's format:
+  `system_prompt`, `chat_template`, `enable_thinking`, `answer_format`, `answer_tag`,
+  `max_prompt_tokens`) — is refused with one ValueError line naming each changed field,
+  old → new; nothing in the folder changes;
 - any other change (a learning rate, the group size, more steps, …) is said in one line naming
   each field, old → new, and recorded as `config.resume-<step>.yaml` (the full settings the run
   continued with from GRPO step <step>; a second resume at the same step adds `-2`, `-3`, …). The
-  newest record is what the next resume compares with.
+  newest record is what the next resume compares with. It is written once the checkpoint took
+  the settings (`fastgrpo.pipeline`), so a resume refused later leaves no record behind.
 
 Settings that only say where and how to log (`logging.out_dir`, `logging.progress`,
 `checkpoint.resume`) are not compared. A field that the stored record does not have (a setting
@@ -31,8 +34,12 @@ import yaml
 FIRST = "config.yaml"
 _RESUMED = re.compile(r"^config\.resume-(\d{8})(?:-(\d+))?\.yaml$")
 # the saved weights, optimizer and curriculum state belong to these: a resume cannot change them
+# and every data.* field that decides which problems there are and their ids (the checkpoint's
+# curriculum holds them): all of data.* but how a prompt is written and an answer read
 FIXED = ("model.path", "model.arch", "model.hidden_size", "model.num_hidden_layers", "model.intermediate_size",
-         "model.num_attention_heads", "model.lora.", "data.task", "data.path")
+         "model.num_attention_heads", "model.lora.", "data.")
+FREE_DATA = ("data.system_prompt", "data.chat_template", "data.enable_thinking", "data.answer_format", "data.answer_tag",
+             "data.max_prompt_tokens")
 IGNORED = ("logging.out_dir", "logging.progress", "checkpoint.resume")
 
 
@@ -107,7 +114,7 @@ def plan_resume(cfg) -> ResumePlan:
     old, new = _flat(stored), _flat(to_dict(cfg))
     changes = [(k, old[k], v) for k, v in new.items()
                if k in old and not k.startswith(IGNORED) and not _same(old[k], v)]
-    fixed = [c for c in changes if c[0].startswith(FIXED)]
+    fixed = [c for c in changes if c[0].startswith(FIXED) and not c[0].startswith(FREE_DATA)]
     if fixed:
         named = ", ".join(f"{k} {o!r} → {n!r}" for k, o, n in fixed)
         raise ValueError(f"run folder {out}: {named} differ{'s' if len(fixed) == 1 else ''} from the run's own settings "

@@ -142,8 +142,7 @@ class AsyncTrainer(Trainer):
         try:
             return super().step()
         except _FAULTS as e:  # a worker, a sync or a timeout failed: stop with one line (the CLI's exit 3)
-            raise TrainingStopped(f"stopped at step {self.step_num}: {e}; the last checkpoint is intact — fix the "
-                                  "cause and run the same command to resume") from None
+            raise TrainingStopped(stopped_line(self.step_num, e)) from None
 
     def _named_weights(self, full: bool = True):
         """What rank 0 broadcasts: every parameter, or for a LoRA policy after the first broadcast
@@ -227,3 +226,12 @@ class AsyncTrainer(Trainer):
         finally:
             super().close()
             stop_ray()
+
+
+def stopped_line(step: int, e: BaseException) -> str:
+    """The one line of a run stopped by a worker fault; the step said once (a fault that names
+    its step already read "stopped at step 0: … at step 0 …")."""
+    text = str(e)
+    head = "stopped" if f"at step {step}" in text else f"stopped at step {step}"
+    return f"{head}: {text}; the last checkpoint is intact — fix the cause and run the same command to resume"
+

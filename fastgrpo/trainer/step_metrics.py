@@ -29,9 +29,31 @@ def rollout_metrics(per_fn: Dict[str, object], total, zero_std, groups) -> Dict[
     out["train/zero_std_frac"] = float(zero_std.mean())
     if "accuracy" in per_fn:
         out["train/accuracy"] = float(per_fn["accuracy"].mean())
+    out.update(episode_metrics(groups))
     out = all_reduce_metrics(out, op="mean", ops={"completion/length_max": "max"})
     if "accuracy" in per_fn:
         g = per_fn["accuracy"].shape[1]
         k = np.rint(per_fn["accuracy"].mean(axis=1) * g).astype(int)
         out["train/pass_rate_hist"] = np.bincount(np.clip(k, 0, g), minlength=g + 1).tolist()
+    return out
+
+
+def episode_metrics(groups) -> Dict[str, float]:
+    """Multi-turn runs (fastgrpo.rollout.episodes): per episode means of its model turns, tool calls,
+    tool errors / timeouts and unparsable calls, and the share of episodes that ended for each stop
+    reason (`episode/stop_<reason>`, every reason present each step so a plot has every series).
+    Empty for single-turn rollouts."""
+    from fastgrpo.episodes.ledger import STOP_REASONS
+
+    eps = [c.episode for g in groups for c in g if getattr(c, "episode", None) is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    out = {"episode/turns_mean": sum(e.turns for e in eps) / n,
+           "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
+           "episode/tool_errors": sum(e.tool_errors for e in eps) / n,
+           "episode/tool_timeouts": sum(e.tool_timeouts for e in eps) / n,
+           "episode/parse_errors": sum(e.parse_errors for e in eps) / n}
+    for reason in STOP_REASONS:
+        out[f"episode/stop_{reason}"] = sum(e.stop == reason for e in eps) / n
     return out

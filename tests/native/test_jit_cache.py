@@ -62,3 +62,19 @@ def test_different_sources_get_their_own_folder(tmp_path, monkeypatch):
         f.write("// changed\n")
     assert jit.build_dir("probe", a) != jit.build_dir("probe", b)
     assert jit.build_dir("probe", a) != jit.build_dir("probe", a, openmp=True)  # flags are part of the key
+
+
+def test_a_build_announces_this_machines_last_build_time(tmp_path, monkeypatch, capsys):
+    """issue 34: "~30 s" said, 92 s taken: the announcement quotes the last build of the same
+    module on this machine (a range before the first), on a line of its own beside a bar."""
+    monkeypatch.setenv("FASTGRPO_EXT_DIR", str(tmp_path / "ext"))
+    os.makedirs(tmp_path / "ext")
+    assert jit._last_took("probe") is None
+    jit._record_took("probe", 92.3)
+    assert jit._last_took("probe") == 92.3
+    from tqdm import tqdm
+
+    with tqdm(total=3, file=sys.stderr) as bar:
+        bar.update(1)
+        jit._say("compiling x")
+    assert "\rfastgrpo: compiling x\n" in capsys.readouterr().err  # the bar cleared first, redrawn below

@@ -279,3 +279,29 @@ def test_bad_episode_config_is_refused_at_load(tmp_path):
             load_episode_parts(cfg.rollout, tok)
     with pytest.raises(ValueError, match=r"rollout.max_turns=0"):
         load_config(None, ["rollout.max_turns=0"])
+
+
+def test_a_step_reports_episode_metrics_and_samples_turn_by_turn(tmp_path):
+    """Metrics per step (episode/turns_mean, tool_calls, tool_errors, tool_timeouts, stop_<reason>)
+    and samples.jsonl rows that show each episode turn by turn (sampled vs environment text)."""
+    import json
+
+    tok = bpe_tokenizer()
+
+    def one_bad_call(text, turn):  # a call of a tool that does not exist, then the answer
+        return ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', False) if turn < 2 else ("408", True)
+
+    trainer, _ = _trainer(tmp_path, tok, one_bad_call, "logging.samples_every=1", "steps=1")
+    try:
+        logs = trainer.step()
+    finally:
+        trainer.close()
+    assert logs["episode/turns_mean"] == 2.0 and logs["episode/tool_calls"] == 1.0
+    assert logs["episode/tool_errors"] == 1.0 and logs["episode/tool_timeouts"] == 0.0
+    assert logs["episode/stop_done"] == 1.0 and logs["episode/stop_budget"] == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows and all(r["stop"] == "done" and r["turns"] == 2 for r in rows)
+    kinds = [t["kind"] for t in rows[0]["episode"]]
+    assert kinds == ["sampled", "bridge", "environment", "bridge", "sampled"], kinds
+    env = [t["text"] for t in rows[0]["episode"] if t["kind"] == "environment"][0]
+    assert "unknown tool" in env.lower() or "nope" in env  # the error went back to the model as text

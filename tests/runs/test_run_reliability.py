@@ -338,3 +338,54 @@ def test_a_refused_resume_names_one_changed_field_in_the_singular(cfg_factory):
                                          r"\(config.yaml\); its saved model and state cannot continue with that"):
         plan_resume(cfg_factory("model.hidden_size=64"))
     assert open(os.path.join(out, "config.yaml")).read()  # untouched
+    # issue 34: a data.* field that decides the problems is named at load, not by the curriculum's
+    # "prompt ids differ" after the model loaded; how a prompt is written may change
+    with pytest.raises(ValueError, match=r"data.num_heldout \d+ → 100 differs from the run's own settings"):
+        plan_resume(cfg_factory("model.hidden_size=32", "data.num_heldout=100"))
+    assert plan_resume(cfg_factory("model.hidden_size=32", "data.system_prompt=Think.")).changes[0][0] == \
+        "data.system_prompt"
+
+
+def test_a_resume_refused_by_its_checkpoint_leaves_no_record(cfg_factory, monkeypatch):
+    from fastgrpo.trainer.grpo import Trainer
+
+    first = cfg_factory("steps=1", "checkpoint.at_end=true", "data.num_heldout=0")
+    run_train(first, log=lambda m: None)
+
+    def refuse(self, path):
+        raise ValueError(f"checkpoint {path}: refused")
+
+    monkeypatch.setattr(Trainer, "resume", refuse)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="refused"):
+            run_train(cfg_factory("steps=2", "checkpoint.at_end=true", "data.num_heldout=0", "optimizer.lr=1e-3"),
+                      log=lambda m: None)
+    assert not [n for n in os.listdir(first.logging.out_dir) if n.startswith("config.resume-")]
+
+
+RANK = r"""
+import multiprocessing.util, sys
+from fastgrpo.runs.folder import discard_unused, run_tmpdir
+with run_tmpdir(sys.argv[1]):
+    print(multiprocessing.util.get_temp_dir(), flush=True)
+    if sys.argv[2] == "wait":
+        sys.stdin.readline()
+if sys.argv[2] == "fail":  # the CLI after an early stop in a folder it created (LoRA rank too large, a full disk)
+    discard_unused(sys.argv[1])
+"""
+
+
+def test_no_process_loses_its_multiprocessing_folder_to_another_or_to_an_early_stop(tmp_path):
+    """issue 34: `<run>/tmp/pymp-…` removed while its process lived (an early stop's cleanup, the
+    other rank of a two-rank run), whose exit then printed a FileNotFoundError traceback."""
+    out = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    other = subprocess.Popen([sys.executable, "-c", RANK, out, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    theirs = other.stdout.readline().strip()
+    early = subprocess.run([sys.executable, "-c", RANK, out, "fail"], capture_output=True, text=True, env=env, timeout=120)
+    assert early.returncode == 0 and "Traceback" not in early.stderr, early.stderr
+    assert os.path.isdir(theirs), "a live process's folder was removed by another's start or end"
+    _, err = other.communicate("\n", timeout=120)
+    assert other.returncode == 0 and "Traceback" not in err, err
+    assert not os.path.exists(os.path.join(out, "tmp")), os.listdir(os.path.join(out, "tmp"))

@@ -174,3 +174,12 @@ def test_a_huge_prompt_and_a_bad_resume_path_are_refused_at_load(cfg_factory, tm
     assert time.time() - t0 < 60
     with pytest.raises(ValueError, match="checkpoint.resume"):
         load_run(cfg_factory(f"checkpoint.resume={tmp_path / 'nope'}"))
+
+
+def test_a_worker_fault_names_its_step_once():
+    """issue 34: `sync.timeout=1e-9` read "stopped at step 0: … at step 0 …"."""
+    from fastgrpo.trainer.async_trainer import stopped_line
+
+    timed_out = stopped_line(0, TimeoutError("rollout-worker-0: generate at step 0 timed out after sync.timeout=1e-09 s"))
+    assert timed_out.startswith("stopped: rollout-worker-0: generate at step 0 timed out") and timed_out.count("step 0") == 1
+    assert stopped_line(7, RuntimeError("the group broke")).startswith("stopped at step 7: the group broke; ")

@@ -139,6 +139,18 @@ def test_model_path_takes_an_adapter_folder_and_export_merges(cfg_factory, tmp_p
         got = merged(input_ids=ids).logits
     # oracle rule: the merged float32 model within float32 rounding of the adapted one
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # issue 34: a non-empty folder or a file is refused (one line, exit 2), never replaced or moved
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my own")
+    (tmp_path / "a_file").write_text("mine too")
+    assert main(["export", "--merge", cfg.logging.out_dir, str(mine)]) == 2
+    assert main(["export", "--merge", cfg.logging.out_dir, str(tmp_path / "a_file")]) == 2
+    assert main(["export", "--merge", cfg.logging.out_dir, str(mine), "--overwrite"]) == 2  # a file it did not write
+    assert os.listdir(mine) == ["notes.txt"] and (tmp_path / "a_file").read_text() == "mine too"
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".")]  # nothing moved to a hidden folder
+    assert main(["export", "--merge", cfg.logging.out_dir, str(out)]) == 2  # an earlier export: only asked for
+    assert main(["export", "--merge", cfg.logging.out_dir, str(out), "--overwrite"]) == 0
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
@@ -151,6 +163,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
 
     code, err = run("model.lora.alpha=16")
     assert code == 2 and "model.lora.rank" in err and "\n" not in err
+    code, err = run("model.lora.rank=100000")  # issue 34: refused at load, not after the whole SFT
+    assert code == 2 and "model.lora.rank=100000: above the full rank of" in err and "expected 1 … 32" in err
     code, err = run("model.lora.rank=2", "model.lora.target_modules=[qproj]")
     assert code == 2 and "model.lora.target_modules[0]='qproj'" in err and "q_proj" in err and "down_proj" in err
     # an adapter folder whose base is missing

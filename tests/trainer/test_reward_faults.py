@@ -1,5 +1,5 @@
 """Runs whose rewards are the user's own or broken (issue 26): held-out accuracy is the task's
-verifier whatever the training rewards are (a run with only `my.py:score` and README's
+verifier whatever the training rewards are (a run with only `my.py:score` and the docs'
 process-rewards YAML are evaluated), a task with no verifier evaluates what it can and says so
 once, a reward that fails on every completion stops the run with one line naming it, and a hung
 reward costs its timeout, not the run."""
@@ -21,7 +21,8 @@ from fastgrpo.tasks.base import Problem
 from fastgrpo.trainer.evaluation import evaluate
 from fastgrpo.trainer.grpo import Trainer
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+# the process-rewards example (once in README.md, now on the rewards page of the docs)
+PROCESS_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "rewards.md"
 # the tiny run's settings without its rewards (each test names its own)
 BASE = [s for s in TINY if not s.startswith("rewards.")] + ["steps=1", "eval.every=0"]
 
@@ -50,8 +51,8 @@ def test_a_run_with_only_user_rewards_is_evaluated_by_the_task_verifier(tmp_path
 
 
 def test_readme_process_rewards_yaml_runs(tmp_path):
-    block = README.read_text().split("**Process rewards**", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert "functions: [format]" in block  # the README's own example: no accuracy among the training rewards
+    block = PROCESS_DOC.read_text().split("## Process rewards", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert "functions: [format]" in block  # the docs' own example: no accuracy among the training rewards
     (tmp_path / "process.yaml").write_text(block)
     out = str(tmp_path / "run")
     cfg = load_config(str(tmp_path / "process.yaml"), BASE + [f"logging.out_dir={out}"])
