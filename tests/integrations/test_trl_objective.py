@@ -239,3 +239,23 @@ def test_vision_inputs_fall_back_counted_and_warned_once(qwen2):
     assert m["fastgrpo/fallback_frac"] == [1.0] * 3 and m["fastgrpo/fallback/vision_inputs"] == [3.0]
     assert t._fastgrpo_fallbacks == 3 and "3 fell back to TRL's _compute_loss: vision inputs" in \
         t.fastgrpo_stats.summary()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_tool_mask_is_honored_as_trl_does(qwen2, loss_type):
+    """TRL's multi-turn tool path marks tool-result tokens with `tool_mask` 0 (TRL PR#4975: a fused
+    loss path that ignored it trained on tool output): our drop-in equals TRL's `_compute_loss` with
+    the mask in, and the mask bites (the loss without it differs)."""
+    model, inputs = qwen2
+    tool = torch.ones_like(inputs["completion_mask"])
+    tool[:, 2:5] = 0  # a tool result in the middle of every completion
+    with_tool = dict(inputs, tool_mask=tool)
+    trl_t, ours_t = _stand_in(model, loss_type), _stand_in(model, loss_type)
+    trl_loss, g_trl = _run(trl_t._trl_compute_loss, model, with_tool)
+    loss, g = _run(lambda m, x: fastgrpo_compute_loss(ours_t, m, x), model, with_tool)
+    assert ours_t.fastgrpo_stats.computed == 1 and not ours_t.fastgrpo_stats.fallback  # fastgrpo's own loss ran
+    assert abs(float(loss) - float(trl_loss)) <= TOL
+    assert max(float((g[n] - g_trl[n]).abs().max()) for n in g_trl) <= TOL
+    t = _stand_in(model, loss_type)
+    assert abs(float(t._trl_compute_loss(model, with_tool).detach())
+               - float(t._trl_compute_loss(model, inputs).detach())) > 1e-6

@@ -81,7 +81,8 @@ def test_trained_ids_are_the_sampled_ids_bit_for_bit(tmp_path, budget):
 
 def test_mask_holds_in_every_loss_backend(tmp_path):
     """(c) changing the logits at environment and bridge tokens changes neither the loss nor the
-    gradient, in the reference, torch-stream and Triton (interpreted) backends."""
+    gradient, in the reference, torch-stream and Triton (interpreted) backends, and in the chunked
+    lm_head path (hidden states of those tokens); the TRL drop-in's tool_mask: test_trl_objective."""
     from fastgrpo.loss import grpo_loss
 
     tok = bpe_tokenizer()
@@ -107,6 +108,21 @@ def test_mask_holds_in_every_loss_backend(tmp_path):
         (l0, g0), (l1, g1) = outs
         assert torch.equal(l0, l1), impl
         assert torch.equal(g0, g1) and not g0[off].any(), impl
+    # the chunked lm_head path (hidden states → loss, never [N, V]): hidden rows of environment tokens
+    from fastgrpo.loss import fused_linear_grpo_loss
+
+    hidden, weight = torch.randn(b.targets.numel(), 16), torch.randn(len(tok), 16)
+    for impl in ("torch", "triton"):
+        outs = []
+        for h in (hidden, logits_perturbed(hidden, off)):
+            h, w = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            out = fused_linear_grpo_loss(h, w, b.targets, b.advantages, mask=b.loss_mask, cu_seqlens=b.loss_cu_seqlens,
+                                         config=cfg, chunk_size=7, impl=impl)
+            out.loss.backward()
+            outs.append((out.loss.detach(), h.grad.detach(), w.grad.detach()))
+        (l0, h0, w0), (l1, h1, w1) = outs
+        assert torch.equal(l0, l1) and torch.equal(h0, h1) and torch.equal(w0, w1), impl
+        assert not h0[off].any(), impl
 
 
 def test_behaviour_logprobs_equal_the_trainers_on_the_builtin_engine(tmp_path):
