@@ -206,7 +206,9 @@ def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existe
 
     out = cfg.logging.out_dir
     # every command may start an engine: the libraries' logs go to the run folder
-    logfile = quiet_console(cfg.logging.out_dir, verbose=args.verbose or not main_rank)
+    from fastgrpo.trainer.backend import launcher_env
+
+    logfile = quiet_console(cfg.logging.out_dir, verbose=args.verbose, rank=launcher_env().rank)  # rank N: log-rankN.txt
     log(f"[fastgrpo] {args.command}: settings: {source}; run folder {cfg.logging.out_dir}"
         + ("" if args.verbose else f" (library logs: {logfile})"))
     for line in unused:  # an explicit --set is never dropped without a word

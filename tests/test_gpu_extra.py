@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the suite's venv)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WANT = {"vllm", "flash-attn", "triton", "deepspeed", "ray"}
+WANT = {"vllm", "flash-attn", "triton", "deepspeed", "ray", "peft", "tensorboard", "matplotlib"}  # + the recipes' (issue 34)
 # the machines a GPU install runs on: CUDA Linux on x86-64 and on Arm (GH200)
 ENVS = [dict(platform_system="Linux", sys_platform="linux", platform_machine=m, python_version=v)
         for m in ("x86_64", "aarch64") for v in ("3.10", "3.12")]

@@ -36,7 +36,8 @@ _CHECKS = {
     "model.intermediate_size": _POS_INT, "model.num_attention_heads": _POS_INT,
     "data.task": _choice("auto", "arithmetic", "math", "code", "jsonl"),
     "data.eval_fraction": ((lambda v: 0 <= v < 1), "a number in [0, 1)"), "data.few_shot": _NONNEG,
-    "data.chat_template": _choice("auto", "on", "off"), "data.max_prompt_tokens": _NONNEG, "data.limit": _NONNEG, "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"),
+    "data.chat_template": _choice("auto", "on", "off"), "data.max_prompt_tokens": _NONNEG, "data.limit": _NONNEG, "data.max_operand": ((lambda v: v >= 2), "an integer >= 2"), "data.min_operand": _NONNEG,
+    "data.operation": _choice("+", "*"),
     "data.num_heldout": _NONNEG,
     "rollout.engine": _choice("auto", "vllm", "torch"), "rollout.group_size": ((lambda v: v >= 2), "an integer >= 2 (a group needs a baseline)"),
     "rollout.prompts_per_step": _POS_INT, "rollout.temperature": _POS, "rollout.top_p": ((lambda v: 0 < v <= 1), "a number in (0, 1]"),
@@ -190,6 +191,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _bad("optimizer.betas", cfg.optimizer.betas, "two numbers in [0, 1)")
     if cfg.data.task in ("math", "code", "jsonl") and not cfg.data.path:
         _bad("data.path", cfg.data.path, f"a data file, dataset folder or hub id when data.task={cfg.data.task}")
+    for i, t in enumerate(cfg.model.extra_tokens):
+        # a LoRA adapter's base name records them joined by "|" (fastgrpo.trainer.build.tiny_ref)
+        if not isinstance(t, str) or len(t) < 2 or any(c.isspace() or c in ",=|" for c in t):
+            _bad(f"model.extra_tokens[{i}]", t, "a token of 2 or more characters without whitespace, ',', '=' or '|' "
+                 "(single characters are the tokenizer's own)")
+    if cfg.data.min_operand + 2 > cfg.data.max_operand:
+        _bad("data.min_operand", cfg.data.min_operand, f"at most data.max_operand - 2 = {cfg.data.max_operand - 2}")
     if cfg.data.task == "arithmetic" and cfg.data.path:
         _bad("data.task", cfg.data.task, "math or code (or auto) when data.path is given (arithmetic is the built-in task)")
     if cfg.data.answer_format not in ("auto", "tags", "boxed", "gsm8k", "last_number") and not cfg.data.answer_format.startswith("regex:"):

@@ -19,6 +19,7 @@ class ModelConfig:
     num_attention_heads: int = 2  # tiny model heads (head_dim 32: vLLM's CPU attention needs ≥ 32)
     dtype: str = "float32"  # float32 | bfloat16 (training dtype of the parameters; float16 is refused: AdamW on fp16 weights without a loss scale overflows)
     seed: int = 0  # initialisation seed of the tiny model
+    extra_tokens: List[str] = field(default_factory=list)  # tiny model: single tokens added to its character tokenizer after its own ids (the tool demo's <tool_call> … tags)
     gradient_checkpointing: bool = False  # recompute activations in backward (memory for time)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapter through PEFT (rank 0 = off: full fine-tuning)
 
@@ -40,7 +41,9 @@ class DataConfig:
     answer_tag: str = "answer"  # the tag of answer_format=tags (and of auto's first try)
     max_prompt_tokens: int = 0  # a longer prompt is an error naming its row (0 = the model's context − rollout.max_new_tokens)
     limit: int = 0  # use only the first N rows of path (0 = all)
-    max_operand: int = 50  # arithmetic: operands drawn from [0, max_operand)
+    max_operand: int = 50  # arithmetic: operands drawn from [min_operand, max_operand)
+    min_operand: int = 0  # arithmetic: the smallest operand (the tool demo: 10, two- and three-digit numbers)
+    operation: str = "+"  # arithmetic: + (the demo's sums) | * (the tool demo's products, beyond the tiny model's head)
     num_heldout: int = 200  # arithmetic: problems kept out of training for eval/accuracy
     seed: int = 0  # split / shuffling seed
 

@@ -21,9 +21,11 @@ LIBRARY_LOGGERS = ("vllm", "transformers", "DeepSpeed", "deepspeed", "datasets",
 _INFO_LOGGERS = ("vllm", "DeepSpeed", "deepspeed", "fastgrpo.reward_output")  # their INFO records are kept too
 
 
-def quiet_console(out_dir: str, verbose: bool = False) -> str:
-    """Route library logs to `<out_dir>/log.txt` (returned); with `verbose`, leave them alone."""
-    path = os.path.join(out_dir, "log.txt")
+def quiet_console(out_dir: str, verbose: bool = False, rank: int = 0) -> str:
+    """Route library logs to `<out_dir>/log.txt` (returned; rank N > 0 of a multi-process launch:
+    `log-rankN.txt`, so its DeepSpeed and torch warnings leave the console too, one copy of each
+    line); with `verbose`, leave them alone."""
+    path = os.path.join(out_dir, "log.txt" if not rank else f"log-rank{rank}.txt")
     if verbose:
         return path
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # in this process: our handler below

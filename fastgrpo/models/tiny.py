@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import string
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -20,26 +20,28 @@ TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 CHARS = string.digits + string.ascii_letters + " +-*/=()<>.,:;!?'\"[]{}_^%$#@&|~`\\\n"
 
 
-def build_char_tokenizer(extra_chars: str = ""):
+def build_char_tokenizer(extra_chars: str = "", extra_tokens: Sequence[str] = ()):
     """Character-level PreTrainedTokenizerFast: ids 0..2 are <pad>, <eos>, <bos>, then the four
-    reasoning tags, then one id per character. Unknown characters map to <pad>'s neighbour
-    `<unk>` (the last id) instead of raising, so hostile text still tokenizes."""
+    reasoning tags, then one id per character, then `<unk>` (unknown characters map to it
+    instead of raising, so hostile text still tokenizes), then `extra_tokens`, each a single
+    token after every id of the default vocabulary (the tool demo's `<tool_call>` …: the default
+    demo's ids stay as they are)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = char_vocab(extra_chars)
+    vocab = char_vocab(extra_chars, extra_tokens)
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Split into single characters (the tags are matched first as added tokens).
     tk.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, eos_token=EOS, bos_token=BOS,
                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
-    tok.add_tokens(list(TAGS))
+    tok.add_tokens(list(TAGS) + list(extra_tokens))
     tok.padding_side = "left"
     return tok
 
 
-def char_vocab(extra_chars: str = "") -> dict:
+def char_vocab(extra_chars: str = "", extra_tokens: Sequence[str] = ()) -> dict:
     """token → id of `build_char_tokenizer` (without building it)."""
     vocab = {PAD: 0, EOS: 1, BOS: 2}
     for t in TAGS:
@@ -47,6 +49,8 @@ def char_vocab(extra_chars: str = "") -> dict:
     for c in CHARS + extra_chars:
         vocab.setdefault(c, len(vocab))
     vocab["<unk>"] = len(vocab)
+    for t in extra_tokens:
+        vocab.setdefault(t, len(vocab))
     return vocab
 
 

@@ -99,6 +99,11 @@ class EpisodeRunner:
         self._stop_id = end if isinstance(end, int) and end >= 0 and end != unk else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fastgrpo-env")
 
+    def metrics(self) -> Dict[str, float]:
+        """`episode/tool_leaks`: processes of finished tool calls still alive (0 unless a tool escaped
+        the process-group kill; the executor's count, fastgrpo.episodes.executor)."""
+        return {"episode/tool_leaks": float(self.executor.leaked())} if self.executor is not None else {}
+
     def close(self) -> None:
         self._threads.shutdown(wait=True)
         if self.executor is not None:

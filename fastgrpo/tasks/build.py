@@ -129,7 +129,7 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
     if kind == "arithmetic":
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
-        return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
+        return ArithmeticTask.from_config(dcfg, tools)
     bad = [k for k in dcfg.columns if k not in FIELDS]
     if bad:
         raise ValueError(f"data.columns.{bad[0]}: unknown problem field; expected fields among {list(FIELDS)}")

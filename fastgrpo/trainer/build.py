@@ -160,8 +160,10 @@ _TINY_FIELDS = ("arch", "hidden_size", "num_hidden_layers", "intermediate_size",
 
 def tiny_ref(mcfg: ModelConfig) -> str:
     """The base name a LoRA adapter of the tiny model records: "tiny:arch=qwen2,hidden_size=64,…"
-    (the tiny model is rebuilt from these, not from whatever the loading config says)."""
-    return "tiny:" + ",".join(f"{k}={getattr(mcfg, k)}" for k in _TINY_FIELDS)
+    (the tiny model is rebuilt from these, not from whatever the loading config says), with
+    `extra_tokens=<a>|<b>` when model.extra_tokens adds tokens to its tokenizer."""
+    ref = "tiny:" + ",".join(f"{k}={getattr(mcfg, k)}" for k in _TINY_FIELDS)
+    return ref + (",extra_tokens=" + "|".join(mcfg.extra_tokens) if mcfg.extra_tokens else "")
 
 
 def is_tiny_ref(base: str) -> bool:
@@ -177,14 +179,24 @@ def tiny_config_of(base: str, mcfg: ModelConfig) -> ModelConfig:
     try:
         fields = dict(item.split("=", 1) for item in base[len("tiny:"):].split(","))
         kw = {k: (v if k == "arch" else int(v)) for k, v in fields.items() if k in _TINY_FIELDS}
+        kw["extra_tokens"] = fields["extra_tokens"].split("|") if fields.get("extra_tokens") else []
     except ValueError:
         raise ValueError(f"model.path: adapter base {base!r}: expected tiny:arch=…,hidden_size=…") from None
     return dataclasses.replace(mcfg, **kw)
 
 
+def tiny_tokenizer(mcfg: ModelConfig):
+    """The tiny model's character tokenizer with model.extra_tokens: the one builder of it, so the
+    run, its async workers and a LoRA adapter's base all get the same ids."""
+    from fastgrpo.models.tiny import build_char_tokenizer
+
+    return build_char_tokenizer(extra_tokens=mcfg.extra_tokens)
+
+
 def _tiny_model(mcfg: ModelConfig, dtype, tokenizer=None):
     from fastgrpo.models.tiny import build_tiny_model
 
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(mcfg)
     return build_tiny_model(mcfg.arch, seed=mcfg.seed, dtype=dtype, tokenizer=tokenizer, hidden_size=mcfg.hidden_size,
                             num_hidden_layers=mcfg.num_hidden_layers, intermediate_size=mcfg.intermediate_size,
                             num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=1,
@@ -246,9 +258,9 @@ def build_tokenizer(mcfg: ModelConfig):
     """(tokenizer, context length or None) of model.path without loading the weights: the task
     is formatted and checked with it before the model or any engine starts."""
     if mcfg.path == "tiny":
-        from fastgrpo.models.tiny import build_char_tokenizer, tiny_config
+        from fastgrpo.models.tiny import tiny_config
 
-        return build_char_tokenizer(), tiny_config(mcfg.arch).max_position_embeddings
+        return tiny_tokenizer(mcfg), tiny_config(mcfg.arch).max_position_embeddings
     from transformers import AutoConfig, AutoTokenizer
 
     from fastgrpo.models import lora
@@ -257,9 +269,10 @@ def build_tokenizer(mcfg: ModelConfig):
     if lora.is_adapter_dir(path):  # a PEFT adapter folder: the context is its base's
         base = lora.adapter_base(path)
         if is_tiny_ref(base):
-            from fastgrpo.models.tiny import build_char_tokenizer, tiny_config
+            from fastgrpo.models.tiny import tiny_config
 
-            return build_char_tokenizer(), tiny_config(tiny_config_of(base, mcfg).arch).max_position_embeddings
+            tiny = tiny_config_of(base, mcfg)
+            return tiny_tokenizer(tiny), tiny_config(tiny.arch).max_position_embeddings
         base = resolve_adapter_base(mcfg.path, base)
         path = path if _has_tokenizer(path) else base
     else:
@@ -282,7 +295,7 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
     if dcfg.task == "arithmetic" or (dcfg.task == "auto" and not dcfg.path):
         from fastgrpo.tasks.arithmetic import ArithmeticTask
 
-        return ArithmeticTask(dcfg.max_operand, dcfg.num_heldout, dcfg.seed)
+        return ArithmeticTask.from_config(dcfg, tools)
     from fastgrpo.tasks.build import build_task as build_data_task
 
     return build_data_task(dcfg, tokenizer=tokenizer, context_len=context_len, max_new_tokens=max_new_tokens,

@@ -351,7 +351,7 @@ class Trainer(UpdateMixin, CheckpointMixin):
         logs["train/reward_errors"] = self.reward_errors
         logs["train/syncs_skipped"] = self.syncs_skipped
         # the sampler's and the rewards' own counters (judge asks); AsyncTrainer adds the orchestrator's
-        for part in (self.curriculum, self.reward_fns, *getattr(self, "metric_sources", ())):
+        for part in (self.curriculum, self.reward_fns, self.episodes, *getattr(self, "metric_sources", ())):
             logs.update(part.metrics() if hasattr(part, "metrics") else {})
         if cfg.algorithm.dynamic_sampling:
             logs.update(sampled.metrics())

@@ -63,11 +63,12 @@ def _meta_model(mcfg, base: str):
     from fastgrpo.trainer.build import is_tiny_ref, tiny_config_of
 
     if is_tiny_ref(base):
-        from fastgrpo.models.tiny import build_char_tokenizer, tiny_config
+        from fastgrpo.models.tiny import tiny_config
+        from fastgrpo.trainer.build import tiny_tokenizer
 
         mcfg = tiny_config_of(base, mcfg)
 
-        config = tiny_config(mcfg.arch, vocab_size=len(build_char_tokenizer()), hidden_size=mcfg.hidden_size,
+        config = tiny_config(mcfg.arch, vocab_size=len(tiny_tokenizer(mcfg)), hidden_size=mcfg.hidden_size,
                              num_hidden_layers=mcfg.num_hidden_layers, intermediate_size=mcfg.intermediate_size,
                              num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=1,
                              head_dim=mcfg.hidden_size // mcfg.num_attention_heads)

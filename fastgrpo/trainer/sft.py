@@ -9,6 +9,12 @@ batch, so prompt tokens never cost a logit. Departure from R1: the traces come f
 (`task.sft_completion`, optionally with a fraction of corrupted answers, `sft.noise`) instead of
 curated model outputs, and the run is short on purpose so that RL has headroom.
 
+Tool traces: a task may give a completion as segments [(text, trained), …] (the tool demo: a call,
+the tool's answer, the final turn). Each segment is encoded on its own, as the episode runner
+encodes an environment answer on its own, and the untrained ones (the tool's answer) get loss
+mask 0: the token-mean runs over the trained tokens only, the mask GRPO's episodes use. A plain
+string is one trained segment (the loss is then computed exactly as before masks existed).
+
 Guards, GRPO's own (fastgrpo/trainer/update.py): a step whose loss or gradients are not finite
 is skipped and counted (`max_nan_skips` of them stop the run); an update that grows the global
 weight norm by more than `guard.max_weight_growth` (a learning rate far too high: `sft.lr=1e6`
@@ -32,7 +38,8 @@ from fastgrpo.logs.metrics import MetricsLogger
 
 
 def sft_examples(task, problems, rng: random.Random, noise: float):
-    """(prompt text, completion text) pairs: task.sft_completion(...) or a row's `completion`."""
+    """(prompt text, completion) pairs: task.sft_completion(...) (a text, or segments [(text,
+    trained), …]) or a row's `completion`."""
     out = []
     for p in problems:
         if hasattr(task, "sft_completion"):
@@ -43,6 +50,20 @@ def sft_examples(task, problems, rng: random.Random, noise: float):
                 raise ValueError(f"problem id {p.id}: SFT needs a reference completion (jsonl field 'completion')")
             out.append((p.prompt, comp))
     return out
+
+
+def _encode_completion(tokenizer, completion, eos: int):
+    """(ids + [eos], None) of a text; (ids + [eos], per-token mask) of segments [(text, trained),
+    …], each segment encoded on its own (eos trained with the last segment's flag)."""
+    if isinstance(completion, str):
+        return tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos], None
+    ids: list = []
+    mask: list = []
+    for text, trained in completion:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [1.0 if trained else 0.0] * len(piece)
+    return ids + [eos], mask + [mask[-1] if mask else 1.0]
 
 
 def _weight_norm(model) -> float:
@@ -97,10 +118,12 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
             probs = rng.sample(pool, scfg.batch_size) if len(pool) >= scfg.batch_size else rng.choices(pool, k=scfg.batch_size)
             pairs = sft_examples(task, probs, rng, scfg.noise)
             prompts = [ids(p) for p, _ in pairs]
-            comps = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in pairs]
+            comps, masks = zip(*[_encode_completion(tokenizer, c, eos) for _, c in pairs])
+            masked = any(m is not None for m in masks)
             batches = build_packed_batches(prompts, comps, [0.0] * len(prompts), cfg.packing.max_tokens,
-                                           allow_oversize=True)
-            n_tok = float(sum(b.num_completion_tokens for b in batches))
+                                           completion_mask=([m or [1.0] * len(c) for c, m in zip(comps, masks)]
+                                                            if masked else None), allow_oversize=True)
+            n_tok = float(sum(b.num_loss_tokens if masked else b.num_completion_tokens for b in batches))
             total = 0.0
             for b in batches:
                 b = b.to(device)
@@ -109,7 +132,7 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
                     total = float("nan")
                     break
                 logp, _ = token_logprobs(logits, b.targets, 1.0, impl=cfg.algorithm.loss_impl)
-                loss = -logp.sum() / n_tok
+                loss = -(logp * b.loss_mask if masked else logp).sum() / n_tok
                 loss.backward()
                 total += float(loss.detach())
             clip = scfg.max_grad_norm if scfg.max_grad_norm > 0 else float("inf")

@@ -54,3 +54,15 @@ def test_numbers_and_the_bar_read_as_a_person_writes(tmp_path, monkeypatch):
     assert line == (f"[fastgrpo] run folder: {tmp_path} (metrics.jsonl); no tb/ or plots/: tensorboard and matplotlib "
                     "are not installed (pip install tensorboard matplotlib)")
     assert run_folder_line(str(tmp_path), tensorboard=False, plots=False).endswith("(metrics.jsonl)")
+
+
+def test_another_rank_logs_to_its_own_file(tmp_path, restore_loggers, capsys):
+    """issue 34: rank 1 of `torchrun --nproc_per_node 2` printed DeepSpeed's and torch's lines
+    on the console (a second copy of each); now they go to log-rank1.txt."""
+    path = quiet_console(str(tmp_path), rank=1)
+    logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU")
+    for h in logging.getLogger("DeepSpeed").handlers:
+        h.close()
+    with open(path) as f:
+        assert path.endswith("log-rank1.txt") and "Setting accelerator" in f.read()
+    assert "Setting accelerator" not in capsys.readouterr().err

@@ -315,6 +315,7 @@ def test_a_step_reports_episode_metrics_and_samples_turn_by_turn(tmp_path):
     assert logs["episode/turns_mean"] == 2.0 and logs["episode/tool_calls"] == 1.0
     assert logs["episode/tool_errors"] == 1.0 and logs["episode/tool_timeouts"] == 0.0
     assert logs["episode/stop_done"] == 1.0 and logs["episode/stop_budget"] == 0.0
+    assert logs["episode/tool_leaks"] == 0.0
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert rows and all(r["stop"] == "done" and r["turns"] == 2 for r in rows)
     kinds = [t["kind"] for t in rows[0]["episode"]]
