@@ -60,7 +60,8 @@ def load_run(cfg: TrainConfig, log: Log = print, need_sft: bool = False, verb: s
     tok, ctx = build_tokenizer(cfg.model)
     check_demo_task(cfg, tok, verb)
     check_context(cfg, ctx)
-    episodes = load_episode_parts(cfg.rollout, tok)  # rollout.tools / rollout.env: imported and checked now
+    # rollout.tools / rollout.env: imported (beside the config file too) and checked now
+    episodes = load_episode_parts(cfg.rollout, tok, getattr(cfg, "config_dir", None))
     task = build_task(cfg.data, tok, context_len=ctx, max_new_tokens=cfg.rollout.max_new_tokens,
                       tools=episodes.prompt_tools if episodes else None)
     rewards = build_rewards(cfg.rewards, task, cfg.rollout.max_new_tokens, getattr(cfg, "config_dir", None))

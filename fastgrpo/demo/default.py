@@ -45,23 +45,35 @@ checkpoint: {every: 50, keep_last: 2}
 """
 
 
-def demo_settings() -> Dict:
-    """The demo's settings as a nested dict (what it sets over the library defaults)."""
-    return yaml.safe_load(DEFAULT_YAML)
+DEMOS = ("default", "tools")  # `fastgrpo train --demo NAME`; tools: fastgrpo/demo/tools.py
+
+
+def demo_settings(name: str = "default") -> Dict:
+    """The settings of demo `name` as a nested dict (what it sets over the library defaults); the
+    tool demo's are the default demo's with fastgrpo/demo/tools.py's over them, field by field."""
+    if name not in DEMOS:
+        raise ValueError(f"--demo {name!r}: expected one of {list(DEMOS)}")
+    base = yaml.safe_load(DEFAULT_YAML)
+    if name == "tools":
+        from fastgrpo.config.load import _merge
+        from fastgrpo.demo.tools import TOOLS_YAML
+
+        base = _merge(base, yaml.safe_load(TOOLS_YAML))
+    return base
 
 
 def default_config(overrides: Sequence[str] = (), out_dir: Optional[str] = None,
-                   config_path: Optional[str] = None) -> TrainConfig:
-    """The demo's settings ← the YAML file `config_path` (a partial one: its sections replace the
-    demo's field by field, the rest stays the demo's) ← `overrides`."""
-    base = demo_settings()
+                   config_path: Optional[str] = None, demo: str = "default") -> TrainConfig:
+    """The settings of demo `demo` ← the YAML file `config_path` (a partial one: its sections
+    replace the demo's field by field, the rest stays the demo's) ← `overrides`."""
+    base = demo_settings(demo)
     if out_dir:
         base.setdefault("logging", {})["out_dir"] = out_dir
     return load_config(config_path, overrides, base=base)
 
 
-def run_default(out_dir: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, float]:
+def run_default(out_dir: Optional[str] = None, overrides: Sequence[str] = (), demo: str = "default") -> Dict[str, float]:
     """Build, SFT, eval, GRPO, eval; prints held-out accuracy before and after RL."""
     from fastgrpo.pipeline import run_train
 
-    return run_train(default_config(overrides, out_dir))
+    return run_train(default_config(overrides, out_dir, demo=demo))

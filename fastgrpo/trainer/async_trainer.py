@@ -72,8 +72,8 @@ def _with_episodes(cfg, engine, tokenizer):
     if cfg.rollout.episodes:
         from fastgrpo.trainer.build import build_episode_runner, load_episode_parts
 
-        engine.episodes = build_episode_runner(cfg.rollout, engine, tokenizer,
-                                               load_episode_parts(cfg.rollout, tokenizer))
+        parts = load_episode_parts(cfg.rollout, tokenizer, getattr(cfg, "config_dir", None))
+        engine.episodes = build_episode_runner(cfg.rollout, engine, tokenizer, parts)
     return engine
 
 

@@ -114,7 +114,8 @@ class Trainer(UpdateMixin, CheckpointMixin):
         if cfg.rollout.episodes:
             from fastgrpo.trainer.build import build_episode_runner, load_episode_parts
 
-            parts = episodes if episodes is not None else load_episode_parts(cfg.rollout, tokenizer)
+            parts = episodes if episodes is not None else \
+                load_episode_parts(cfg.rollout, tokenizer, getattr(cfg, "config_dir", None))
             self.episodes = build_episode_runner(cfg.rollout, engine, tokenizer, parts)
             engine.episodes = self.episodes  # held-out evaluation runs episodes too (trainer.evaluation)
         self.curriculum = curriculum if curriculum is not None else build_curriculum(cfg, self.task)
