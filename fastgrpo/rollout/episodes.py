@@ -59,6 +59,7 @@ class _Episode:
     index: int                           # position in the call (problem index * n + sample)
     problem: object
     prompt: List[int]                    # ids the engine was prompted with at turn 1
+    given: List[int] = field(default_factory=list)  # the caller's prompt ids (reset() may extend them)
     ledger: Ledger = field(default_factory=Ledger)
     used: int = 0                        # ids after the prompt so far (the budget's count)
     sample_start: List[int] = field(default_factory=lambda: [0])  # ledger segment where each sample starts
@@ -112,7 +113,8 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ the loop
     def run(self, problems: Sequence, prompt_ids: Sequence[Sequence[int]], n: int,
             sampling: SamplingConfig) -> List[List[Completion]]:
-        eps = [_Episode(i * n + j, p, list(ids)) for i, (p, ids) in enumerate(zip(problems, prompt_ids)) for j in range(n)]
+        eps = [_Episode(i * n + j, p, list(ids), list(ids)) for i, (p, ids) in enumerate(zip(problems, prompt_ids))
+               for j in range(n)]
         for ep in eps:
             ep.ledger.append("prompt", ep.prompt, 0)
         try:
@@ -326,7 +328,8 @@ class EpisodeRunner:
             sub = Ledger(segments=seg)
             samples.append((seg[0].ids, sub))
         (prompt, first), forks = samples[0], samples[1:]
-        c = self._completion(first, ep, prompt)
+        # the caller's own prompt: None, so a trainer packs its cached ids (and may share them in a group)
+        c = self._completion(first, ep, None if prompt == ep.given else prompt)
         c.forks = [self._completion(s, ep, p) for p, s in forks]
         c.episode = led
         return c

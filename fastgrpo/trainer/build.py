@@ -71,6 +71,9 @@ def load_episode_parts(rcfg: RolloutConfig, tokenizer, base_dir: Optional[str] =
     episode budget (rollout.max_new_tokens) holds a tool answer and a turn. None without episodes."""
     if not rcfg.episodes:
         return None
+    if rcfg.thinking_budget:
+        raise ValueError("config rollout.thinking_budget: not with multi-turn episodes (rollout.tools / rollout.env), "
+                         "whose budget is rollout.max_new_tokens for the whole episode; set rollout.thinking_budget=0")
     from fastgrpo.episodes.calls import template_supports_tools
     from fastgrpo.episodes.render import TemplateError, TurnRenderer, rewrites_history
     from fastgrpo.episodes.tools import load_tools

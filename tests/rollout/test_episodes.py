@@ -48,19 +48,22 @@ def _rollout_and_pack(trainer):
     return probs, groups, trainer._pack(probs, groups, adv, np.ones(len(probs), dtype=bool))
 
 
-@pytest.mark.parametrize("budget", [4096, 8])
-def test_trained_ids_are_the_sampled_ids_bit_for_bit(tmp_path, budget):
-    """(a) token identity, packed (one micro-batch) and unpacked (packing.max_tokens=8: one
-    sequence a micro-batch); the BPE re-encodes the sampled split differently (checked), the
-    trainer trains the split itself; the environment ids are the template's rendering."""
+@pytest.mark.parametrize("budget, share", [(4096, True), (4096, False), (8, False)])
+def test_trained_ids_are_the_sampled_ids_bit_for_bit(tmp_path, budget, share):
+    """(a) token identity, packed (one micro-batch; a group's prompt carried once, or not) and
+    unpacked (packing.max_tokens=8: one sequence a micro-batch); the BPE re-encodes the sampled
+    split differently (checked), the trainer trains the split itself; the environment ids are the
+    template's rendering."""
     tok = bpe_tokenizer()
-    trainer, engine = _trainer(tmp_path, tok, _two_calls_then_answer, f"packing.max_tokens={budget}")
+    trainer, engine = _trainer(tmp_path, tok, _two_calls_then_answer, f"packing.max_tokens={budget}",
+                               f"packing.share_prefix={str(share).lower()}")
     try:
         probs, groups, batches = _rollout_and_pack(trainer)
     finally:
         trainer.close()
     got = trained_ids(batches)
     assert len(got) == 4 and (budget > 100) == (sum(b is not None for b in batches) == 1)
+    assert all((b.segment_prefix is not None) == share for b in batches if b is not None)
     calls = [(tuple(ctx), tuple(ids)) for ctx, ids in engine.calls]
     for p, grp in zip(probs, groups):
         for j, c in enumerate(grp):
