@@ -61,7 +61,12 @@ class UpdateMixin:
                         cmask.append(part.sampled_mask)  # 0/1: forced and environment tokens carry no gradient
                         olps.append(part.logprobs if behav else None)
             lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
+            # episodes whose prompt is not the group's (an environment's first observation, forks of
+            # rollout.history=fork): no shared prefix; decided by every rank alike
+            own_prompts = any(getattr(c, "prompt_ids", None) is not None or getattr(c, "forks", None)
+                              for grp in groups for c in grp)
             if self.world_size > 1:
+                own_prompts = all_reduce_max(int(own_prompts)) > 0
                 # same number of sequences and near-equal tokens on every rank (Karmarkar–Karp):
                 # without it the rank holding the longest groups sets everyone's step time
                 recs = rebalance(list(zip(prompts, comps, advs, ids, cmask, olps)), lengths)
@@ -69,7 +74,7 @@ class UpdateMixin:
                 lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
             budget = self.cfg.packing.max_tokens
             # a shared prefix is one prompt per group: not for episodes whose prompts differ within one
-            share = self._share_prefix() and all(pr is self._prompt_ids[key[0]] for pr, key in zip(prompts, ids))
+            share = self._share_prefix() and not own_prompts
             # a sequence over the budget gets a micro-batch of its own instead of failing the step;
             # with shared prefixes whole groups go to one micro-batch (their prompt is then carried
             # once); every rank runs the same number of micro-batches (`agree`: the max over ranks)
