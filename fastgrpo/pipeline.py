@@ -23,7 +23,7 @@ from fastgrpo.trainer.build import RunParts, build_model, build_rollout_engine, 
 from fastgrpo.config import TrainConfig
 from fastgrpo.trainer.backend import launcher_env
 from fastgrpo.trainer.evaluation import evaluate
-from fastgrpo.logs.console import bar_postfix, eval_order, number, run_folder_line
+from fastgrpo.logs.console import bar_postfix, eval_order, number, restart_clock, run_folder_line
 from fastgrpo.logs.metrics import make_plots, read_metrics, set_nvtx
 
 Log = Callable[[str], None]
@@ -35,6 +35,14 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+
+
+def _build_model(cfg: TrainConfig, parts: RunParts, log: Log):
+    """build_model, announced when it is a model of your own: from_pretrained of a 7B model takes
+    minutes, and nothing said so (issue 34). The tiny demo model builds in milliseconds."""
+    if cfg.model.path != "tiny":
+        log(f"[fastgrpo] loading the model {cfg.model.path} …")
+    return build_model(cfg.model, tokenizer=parts.tokenizer)
 
 
 def _prepare(cfg: TrainConfig):
@@ -203,7 +211,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
         write_record(cfg, plan, 0, log)
     seed_everything(cfg.seed)
     task = parts.task
-    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
+    model, tok = _build_model(cfg, parts, log)
     ran_sft = False
     if want_sft and resume_path is None:
         _sft_stage(cfg, model, tok, task, log)
@@ -225,12 +233,14 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
             before = rows[-1]["eval/accuracy"] if rows else None
         else:
             trainer.metrics.drop_steps_after(-1)  # a run that died before its first checkpoint: every row is redone
+        show = cfg.logging.progress and trainer.rank == 0
         if resume_path is None and task.heldout:
-            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
+            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout, progress=show)
             trainer.metrics.log(0, ev)
             before = ev.get("eval/accuracy")  # None: no verifier among the rewards (eval/reward/* instead)
             log(f"[fastgrpo] held-out accuracy before RL ({start}): {_acc(before)}")
-        bar = _progress(cfg.steps, trainer.step_num, "grpo", cfg.logging.progress and trainer.rank == 0)
+        bar = _progress(cfg.steps, trainer.step_num, "grpo", show)
+        first = [True]
 
         def on_step(step, m):
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and task.heldout:
@@ -239,6 +249,9 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(bar_postfix(m))  # acc only when accuracy is a training reward
+                if first[0]:  # its ETA leaves out the first step's one-time native builds and compiles
+                    restart_clock(bar)
+            first[0] = False
 
         t_rl = time.perf_counter()
         try:
@@ -260,7 +273,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
             trainer.sync_engine()
-            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout)
+            ev = evaluate(trainer.engine, task.heldout, rewards, cfg.eval, cfg.rollout, progress=show)
             trainer.metrics.log(trainer.step_num, ev)
             summary["accuracy_after"] = ev.get("eval/accuracy")
             summary["accuracy_before"] = before
@@ -293,13 +306,13 @@ def run_sft_only(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     seed_everything(cfg.seed)
     parts = load_run(cfg, log, need_sft=True)
     task, rewards = parts.task, parts.rewards
-    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
+    model, tok = _build_model(cfg, parts, log)
     cfg.checkpoint.resume = "none"
     _sft_stage(cfg, model, tok, task, log)
     out = {}
     if task.heldout:
         engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
-        out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout)
+        out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, progress=cfg.logging.progress)
         log(f"[fastgrpo] held-out accuracy after SFT: {_acc(out.get('eval/accuracy'))}")
     return out
 
@@ -329,9 +342,9 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
               else "the built-in arithmetic task (data.task=arithmetic)")
     log(f"[fastgrpo] eval: {len(task.heldout)} held-out problems of {source}, {cfg.eval.num_samples} "
         f"sample{'s' if cfg.eval.num_samples != 1 else ''} each")
-    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
+    model, tok = _build_model(cfg, parts, log)
     engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
-    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log)
+    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log, progress=cfg.logging.progress)
     for k in eval_order(out):
         log(f"{k}: {number(out[k])}")
     _write_eval_samples(cfg, out, log)
@@ -368,13 +381,25 @@ def run_bench(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
     seed_everything(cfg.seed)
     parts = load_run(cfg, log, need_sft=cfg.sft_first and cfg.sft.steps > 0)
     task = parts.task
-    model, tok = build_model(cfg.model, tokenizer=parts.tokenizer)
+    model, tok = _build_model(cfg, parts, log)
     if cfg.sft_first and cfg.sft.steps > 0:
+        log(f"[fastgrpo] bench: the SFT cold start first ({cfg.sft.steps} steps, so that rewards vary) …")
         run_sft(cfg, model, tok, task)
     trainer = Trainer(cfg, model, tok, task, log=log, rewards=parts.rewards, episodes=parts.episodes)
+    # each step said as it ends: bench printed nothing for 29 s (issue 34)
+    log(f"[fastgrpo] bench: {cfg.steps} GRPO steps, the first a warm-up left out of the medians "
+        "(one-time native builds and compiles land in it) …")
     rows = []
+    t0 = [time.perf_counter()]
+
+    def on_step(step, m):
+        rows.append(m)
+        now = time.perf_counter()
+        log(f"[fastgrpo] bench: step {step}/{cfg.steps}{' (warm-up)' if len(rows) == 1 else ''} in {now - t0[0]:.1f} s")
+        t0[0] = now
+
     try:
-        trainer.train(on_step=lambda s, m: rows.append(m))
+        trainer.train(on_step=on_step)
     finally:
         trainer.close()
     rows = rows[1:] or rows

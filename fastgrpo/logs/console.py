@@ -16,8 +16,12 @@ import os
 import warnings
 
 LIBRARY_LOGGERS = ("vllm", "transformers", "DeepSpeed", "deepspeed", "datasets", "triton",
+                   "ray",  # its driver-side lines: "Token authentication is enabled for this Ray cluster …"
                    "huggingface_hub", "py.warnings", "urllib3", "filelock", "accelerate", "trl",
                    "fastgrpo.reward_output")  # what user rewards print and warn (fastgrpo/rewards/worker.py), judge counts
+# the run folder whose log.txt this process's library logs go to (None: not quieted, a library
+# user's process or --verbose): an async run's rollout workers quiet theirs into the same file
+QUIETED = None
 _INFO_LOGGERS = ("vllm", "DeepSpeed", "deepspeed", "fastgrpo.reward_output")  # their INFO records are kept too
 
 
@@ -25,9 +29,11 @@ def quiet_console(out_dir: str, verbose: bool = False, rank: int = 0) -> str:
     """Route library logs to `<out_dir>/log.txt` (returned; rank N > 0 of a multi-process launch:
     `log-rankN.txt`, so its DeepSpeed and torch warnings leave the console too, one copy of each
     line); with `verbose`, leave them alone."""
+    global QUIETED
     path = os.path.join(out_dir, "log.txt" if not rank else f"log-rank{rank}.txt")
     if verbose:
         return path
+    QUIETED = out_dir
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # in this process: our handler below
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its engine-core processes: errors only
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -38,7 +44,10 @@ def quiet_console(out_dir: str, verbose: bool = False, rank: int = 0) -> str:
         for old in lg.handlers:  # a previous run's (stage's) file handler in this process: closed
             if isinstance(old, _LazyFileHandler) and old is not handler:
                 old.close()
-        lg.handlers = [handler]
+        # a list that a library's `handlers.clear()` leaves alone: ray.init(configure_logging=False)
+        # clears the "ray" logger's, and its token-authentication warning then reached the
+        # console through logging's last-resort handler (issue 34)
+        lg.handlers = _KeptHandlers([handler])
         lg.propagate = False
         # libraries that add their own console handler when imported later (DeepSpeed does, at
         # import) keep writing to the file only
@@ -76,6 +85,13 @@ class _LazyFileHandler(logging.FileHandler):
         if self.stream is None:
             os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
         super().emit(record)
+
+
+class _KeptHandlers(list):
+    """A quieted logger's handler list: `clear()` is a no-op (assigning a new list still works)."""
+
+    def clear(self):
+        pass
 
 
 class _FileOnlyLogger(logging.Logger):
@@ -120,6 +136,16 @@ def bar_postfix(metrics: dict) -> dict:
         out["acc"] = f"{metrics['train/accuracy']:.2f}"
     out["tok_s"] = f"{metrics.get('perf/throughput', 0.0):.0f}"
     return out
+
+
+def restart_clock(bar) -> None:
+    """Start a tqdm bar's clock again at its current count: its rate and ETA then leave out what
+    came before. The GRPO bar calls it after the run's first step, whose one-time costs (a native
+    build of 30-90 s, the compiler's first graphs) made the ETA read 7 h 15 m on a 2-minute run."""
+    n = bar.n
+    bar.reset()  # the count, the clock and the smoothed rate start again
+    bar.n = bar.initial = bar.last_print_n = n  # rate = (n - initial) / elapsed: only steps after now
+    bar.refresh()
 
 
 _FOLDER_PARTS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "tb", "plots", "checkpoints")

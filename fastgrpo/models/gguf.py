@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from typing import Optional
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,6 +35,10 @@ def gguf_to_hf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
     if not os.path.isfile(gguf_path):
         raise ValueError(f"gguf_to_hf: {gguf_path!r} is not a file")
     folder, name = os.path.split(os.path.abspath(gguf_path))
+    from fastgrpo.native.jit import say
+
+    t0 = time.monotonic()  # a wait of seconds (dequantise, save) that said nothing before (issue 34)
+    say(f"converting {gguf_path} into a HF folder once (cached in {out_dir}) …")
     try:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -67,6 +72,7 @@ def gguf_to_hf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    say(f"converted {os.path.basename(gguf_path)} in {time.monotonic() - t0:.0f} s")
     return out_dir
 
 

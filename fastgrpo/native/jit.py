@@ -127,9 +127,10 @@ def _copy_sources(folder: str, files: List[str]) -> List[str]:
     return out
 
 
-def _say(msg: str) -> None:
-    """A line of its own: through tqdm when a progress bar is drawn (printed beside it, the
-    message was glued to the bar)."""
+def say(msg: str) -> None:
+    """A line of its own on stderr, through tqdm when a progress bar is drawn (printed beside it,
+    the message was glued to the bar): what a wait of seconds to minutes is doing (a native build
+    here, a GGUF conversion in fastgrpo.models.gguf)."""
     try:
         from tqdm import tqdm
 
@@ -173,7 +174,7 @@ def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str
         if fresh:  # the estimate: this machine's last build of it (a busy 2-core box took 92 s, not ~30)
             last = _last_took(stem)
             eta = f"about {last:.0f} s, as the last build here" if last else f"{eta_s}–{3 * eta_s} s"
-            _say(f"compiling {what} for this CPU once, {eta} (cached in {folder}) …")
+            say(f"compiling {what} for this CPU once, {eta} (cached in {folder}) …")
         t0 = time.monotonic()
         with open(os.path.join(folder, ".fastgrpo.lock"), "w") as lock:
             deadline = time.monotonic() + lock_timeout_s
@@ -195,10 +196,10 @@ def build(stem: str, source: Union[str, Sequence[str]], what: str, fallback: str
                        extra_cflags=_CFLAGS + omp, extra_ldflags=omp, verbose=False)
         took = time.monotonic() - t0
         if fresh:
-            _say(f"{what} built in {took:.0f} s")
+            say(f"{what} built in {took:.0f} s")
             _record_took(stem, took)
         elif took > 5.0:  # ninja found work in a cached build (its log or a copied source changed)
-            _say(f"{what} rebuilt in {took:.0f} s (its cached build in {folder} was out of date)")
+            say(f"{what} rebuilt in {took:.0f} s (its cached build in {folder} was out of date)")
         return mod
     except Exception as e:  # noqa: BLE001 — any build failure means: the Python path
         msg = str(e).strip().splitlines()

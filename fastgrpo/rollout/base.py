@@ -95,6 +95,9 @@ class RolloutEngine(abc.ABC):
     """Generate G completions per prompt; update weights from the trainer; sleep / wake."""
 
     tokenizer = None
+    # called with the number of completions that just finished (a held-out evaluation's bar,
+    # fastgrpo.trainer.evaluation); None = nobody is counting
+    progress = None
 
     @abc.abstractmethod
     def _sample(self, prompt_ids: List[List[int]], sampling: SamplingConfig, max_new_tokens: int,

@@ -144,6 +144,8 @@ class TorchEngine(RolloutEngine):
         for i in range(0, len(prompt_ids), self.max_batch_size):
             out.extend(self._sample_batch(prompt_ids[i:i + self.max_batch_size], sampling, max_new_tokens,
                                           seeds[i:i + self.max_batch_size]))
+            if self.progress is not None:
+                self.progress(len(out) - i)
         return out
 
     def _sample_batch(self, prompt_ids, sampling: SamplingConfig, max_new_tokens: int, seeds) -> List[Completion]:

@@ -398,7 +398,8 @@ class VLLMEngine(RolloutEngine):
         request = self._adapters.request() if self._adapters is not None else None
         if self.inflight is not None:
             return self._sample_stepwise(prompts, params, request)
-        outs = self.llm.generate(prompts, params, use_tqdm=False, **({"lora_request": request} if request else {}))
+        bar = False if self.progress is None else counting_bar(self.progress)
+        outs = self.llm.generate(prompts, params, use_tqdm=bar, **({"lora_request": request} if request else {}))
         return [_completion(out) for out in outs]
 
     def _sample_stepwise(self, prompts, params, request) -> List[Completion]:
@@ -439,6 +440,30 @@ class VLLMEngine(RolloutEngine):
             c.token_versions = token_versions(len(c.token_ids), v0, swaps[rid])
             result.append(c)
         return result
+
+
+def counting_bar(progress):
+    """A tqdm class for `LLM.generate(use_tqdm=…)` that draws nothing and hands each finished
+    request's count to `progress`: vLLM's own "Processed prompts" bar would be a second bar beside
+    the evaluation's (vLLM reads its `n`, `format_dict` and `postfix`, so it is a real tqdm)."""
+    from tqdm import tqdm
+
+    class _Sink:
+        def write(self, _s):
+            pass
+
+        def flush(self):
+            pass
+
+    class CountingBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": _Sink()})
+
+        def update(self, n=1):
+            progress(n)
+            return super().update(n)
+
+    return CountingBar
 
 
 def _completion(out) -> Completion:

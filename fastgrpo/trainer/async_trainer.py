@@ -38,10 +38,17 @@ from fastgrpo.workers.pool import WorkerError, WorkerPool
 _FAULTS = (WorkerError, BroadcastError, SyncVerificationError)
 
 
-def build_worker_engine(cfg, prompt_len: int = 0):
+def build_worker_engine(cfg, prompt_len: int = 0, quiet_dir=None):
     """(engine, kind) of one rollout worker, run inside its process: the model of cfg.model (its
     initial weights do not matter, the first broadcast replaces them) on the worker's device and
-    the engine rollout.engine picks (auto: as the colocated trainer would; vLLM sized by the config)."""
+    the engine rollout.engine picks (auto: as the colocated trainer would; vLLM sized by the config).
+    `quiet_dir`: the run folder the trainer's library logs go to; the worker's go to its log.txt
+    too (vLLM's warnings in a worker, its NUMA lines among them, reached the console through
+    Ray's log_to_driver: issue 34)."""
+    if quiet_dir:
+        from fastgrpo.logs.console import quiet_console
+
+        quiet_console(quiet_dir)
     import dataclasses
 
     import torch
@@ -124,7 +131,13 @@ class AsyncTrainer(Trainer):
             self._tokenize(problems)
             return [self._prompt_ids[p.id] for p in problems]
 
-        pool = pool if pool is not None else WorkerPool(cfg, build_worker_engine, log)
+        import functools
+
+        from fastgrpo.logs import console
+
+        # the workers' library logs where this process's go (the CLI quiets them into <run>/log.txt)
+        pool = pool if pool is not None else WorkerPool(cfg, functools.partial(build_worker_engine,
+                                                                               quiet_dir=console.QUIETED), log)
         self.orchestrator = Orchestrator(cfg, self.curriculum.sample, prompt_ids, by_id, self._named_weights,
                                          self.sampling, pool=pool, log=log)
         if cfg.rollout.engine != "torch":  # a vLLM worker sizes its context to the longest prompt

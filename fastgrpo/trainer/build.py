@@ -369,9 +369,17 @@ def build_rollout_engine(rcfg: RolloutConfig, model, tokenizer, prompt_len=None)
         return make_engine("torch", model, tokenizer, max_batch_size=256)
     # max_num_seqs: one rollout batch (G·prompts sequences) in one scheduler pass
     n = max(rcfg.group_size * rcfg.prompts_per_step, 64)
-    return make_engine("vllm", model, tokenizer, gpu_memory_utilization=rcfg.gpu_memory_utilization,
-                       max_model_len=engine_context_len(rcfg, model, prompt_len() if callable(prompt_len) else prompt_len),
-                       max_num_seqs=n)
+    import time
+
+    # its start (a weights snapshot, engine-core processes, KV-cache profiling) took 26 s on the
+    # 2-core CPU without a word (issue 34)
+    print("[fastgrpo] starting the vLLM engine (weights snapshot, engine process, KV cache) …", flush=True)
+    t0 = time.perf_counter()
+    engine = make_engine("vllm", model, tokenizer, gpu_memory_utilization=rcfg.gpu_memory_utilization,
+                         max_model_len=engine_context_len(rcfg, model, prompt_len() if callable(prompt_len) else prompt_len),
+                         max_num_seqs=n)
+    print(f"[fastgrpo] vLLM engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    return engine
 
 
 def sampling_config(rcfg: RolloutConfig, temperature=None, seed=None):

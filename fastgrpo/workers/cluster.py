@@ -5,13 +5,43 @@ then `cluster.address=<head>:6379`).
 A local Ray gets exactly the CPUs / GPUs the rollout workers ask for (the trainer runs in the
 driver process, outside Ray's accounting), a small object store and no dashboard; what a
 joined cluster offers is checked against what the workers need before any worker starts, so a
-run that cannot be placed fails at once naming the resource instead of waiting forever.
+run that cannot be placed fails at once naming the resource instead of waiting forever. A local
+Ray's session folder lives in the run's temp folder (`ray_temp_dir`), so nothing of it outlives
+the run.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict
 
 _STARTED_HERE = False  # this process called ray.init (and so shuts it down)
+_OWN_TEMP = None  # a Ray temp folder this process made outside the run folder (removed by stop_ray)
+# Ray's longest AF_UNIX path below its temp folder: "/session_<YYYY-mm-dd_HH-MM-SS_µs>_<pid>/sockets/
+# plasma_store" is 64 bytes with a 7-digit pid, + ".N" when the name is taken; the limit is 107 bytes
+_RAY_SOCKET_TAIL = 68
+_SOCKET_MAX = 107
+
+
+def ray_temp_dir(cfg, log=print):
+    """Where a local Ray writes its session folder (sockets, logs, spilled objects): `<run>/tmp/ray`
+    inside a run, removed with the run's temp folder at the end and at the next start (every
+    async run left a `/tmp/ray/session_*` of 75-125 KB behind: issue 34). A run folder whose path
+    leaves no room for Ray's sockets gets a short private folder in /tmp instead, said once and
+    removed by `stop_ray`. Outside a run (a library user's Ray): None, Ray's own default."""
+    import tempfile
+
+    global _OWN_TEMP
+    run_tmp = os.path.abspath(os.path.join(cfg.logging.out_dir, "tmp"))
+    if os.path.abspath(tempfile.gettempdir()) != run_tmp:  # not inside fastgrpo.runs.folder.run_tmpdir
+        return None if len(tempfile.gettempdir()) <= 24 else "/tmp/ray"
+    want = os.path.join(run_tmp, "ray")
+    if len(want.encode()) + _RAY_SOCKET_TAIL <= _SOCKET_MAX:
+        return want
+    _OWN_TEMP = tempfile.mkdtemp(prefix="fastgrpo-ray-", dir="/tmp")
+    log(f"[fastgrpo] Ray's session folder: {_OWN_TEMP}, not {want} (that path is {len(want.encode())} bytes; "
+        f"Ray's socket paths below it must fit {_SOCKET_MAX}: keep the run folder under "
+        f"{_SOCKET_MAX - _RAY_SOCKET_TAIL - len('/tmp/ray')} characters); removed at the end")
+    return _OWN_TEMP
 
 
 def worker_resources(cfg) -> Dict[str, float]:
@@ -43,15 +73,12 @@ def start_ray(cfg, log=print) -> None:
         else:
             cpus = c.num_cpus or int(cfg.rollout.workers * need["num_cpus"])
             gpus = c.num_gpus or (int(cfg.rollout.workers * need["num_gpus"] + 0.999) if need["num_gpus"] else 0)
-            import tempfile
-
-            # Ray's sockets live under its temp dir and AF_UNIX paths stop at 107 bytes: a run's
-            # own tmp folder (<out_dir>/tmp, fastgrpo.runs.folder) is often longer
-            tmp = None if len(tempfile.gettempdir()) <= 24 else "/tmp/ray"
+            tmp = ray_temp_dir(cfg, log)
             try:
                 ray.init(num_cpus=max(cpus, 1), num_gpus=gpus, object_store_memory=c.object_store_mb << 20,
                          _temp_dir=tmp, **kw)
             except Exception as e:  # noqa: BLE001 — one line naming what failed
+                stop_ray()  # a private temp folder made for it goes too
                 raise RuntimeError(f"starting a local Ray for rollout.mode=async failed: "
                                    f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]}") from None
         _STARTED_HERE = True
@@ -68,9 +95,14 @@ def start_ray(cfg, log=print) -> None:
 
 def stop_ray() -> None:
     """Shut Ray down if this run started it."""
-    global _STARTED_HERE
+    global _STARTED_HERE, _OWN_TEMP
     if _STARTED_HERE:
         import ray
 
         ray.shutdown()
         _STARTED_HERE = False
+    if _OWN_TEMP is not None:  # Ray's processes are gone: its session folder can go
+        import shutil
+
+        shutil.rmtree(_OWN_TEMP, ignore_errors=True)
+        _OWN_TEMP = None

@@ -76,5 +76,5 @@ def test_a_build_announces_this_machines_last_build_time(tmp_path, monkeypatch, 
 
     with tqdm(total=3, file=sys.stderr) as bar:
         bar.update(1)
-        jit._say("compiling x")
+        jit.say("compiling x")
     assert "\rfastgrpo: compiling x\n" in capsys.readouterr().err  # the bar cleared first, redrawn below

@@ -25,6 +25,13 @@ def test_async_demo_lifts_heldout_accuracy(tmp_path):
         args += ["--set", s]
     p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
+    # issue 34: Ray's session folder (here a private one: tmp_path is too long a path for Ray's
+    # sockets) is gone at the end, and Ray's token-authentication line stayed off the console
+    import re
+
+    m = re.search(r"Ray's session folder: (/tmp/fastgrpo-ray-[^,\s]+),", p.stdout)
+    assert m and not os.path.exists(m.group(1)), p.stdout[-2000:]
+    assert "Token authentication" not in p.stdout + p.stderr and "Token authentication" in (out / "log.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "async/staleness_max" in r]
