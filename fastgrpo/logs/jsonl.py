@@ -53,3 +53,14 @@ def read_metrics(path: str) -> List[Dict[str, object]]:
             if isinstance(row, dict) and "step" in row:
                 rows.append(row)
     return rows
+
+
+def rewrite_lines(path: str, lines: List[bytes]) -> None:
+    """Replace the file at `path` by `lines`, atomically (a temp file beside it, fsync, rename): a
+    kill mid-rewrite leaves the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(b"".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

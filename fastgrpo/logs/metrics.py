@@ -24,7 +24,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from fastgrpo import env
-from fastgrpo.logs.jsonl import end_torn_line, json_value, read_metrics  # noqa: F401  (re-exported)
+from fastgrpo.logs.jsonl import end_torn_line, json_value, read_metrics, rewrite_lines  # noqa: F401  (re-exported)
 
 _NVTX_FORCED: Optional[bool] = None
 
@@ -180,12 +180,7 @@ class MetricsLogger:
         if len(kept) == len(lines):
             return
         self._f.close()
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        rewrite_lines(self.path, kept)
         self._f = open(self.path, "a")
 
     def log_rollouts(self, step: int, problems, groups, per_fn, total, adv, zero_std) -> None:

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fastgrpo.logs.jsonl import json_value, read_metrics
+from fastgrpo.logs.jsonl import json_value, read_metrics, rewrite_lines
 
 
 class EvalResult(dict):
@@ -178,12 +178,7 @@ class SamplesFile:
                 changed = True
         if not changed:
             return
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        rewrite_lines(self.path, kept)
 
     def write(self, rows: Sequence[dict], step: Optional[int] = None) -> None:
         """Append `rows` (each with a step); opens the file first (from the rows' step) if needed."""
