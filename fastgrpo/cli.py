@@ -5,6 +5,7 @@ demo model ← --config ← --set; the first line printed says what came from wh
 library function of fastgrpo.pipeline; nothing else happens here (house style rule 5).
 
     fastgrpo train                                  # the embedded demo, end to end
+    fastgrpo train --demo tools                     # its tool variant: products with a calculator tool
     fastgrpo train --config run.yaml --set optimizer.lr=1e-4 --out runs/a
     fastgrpo sft --set sft.steps=500
     fastgrpo eval --set model.path=runs/a           # held-out accuracy, pass@k (eval.num_samples) with runs/a's settings; no model.path: refused
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--verbose", action="store_true",
                        help="show the libraries' logs (vLLM, transformers, …) instead of writing them to <run>/log.txt")
         s.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its one-line message")
+        s.add_argument("--demo", choices=("default", "tools"), default="default",
+                       help="the embedded demo the tiny model runs: default (sums) | tools (products with a calculator "
+                            "tool, fastgrpo/demo/tools.py; its baseline: --set rollout.tools=[])")
         if name == "eval":
             s.add_argument("--untrained", action="store_true",
                            help="score the tiny demo model with random weights (refused without this flag "
@@ -134,9 +138,13 @@ def config_from_args(args):
             layers.append((f"the RL run's config {config_path}", _file_settings(config_path)))
     elif config_path:
         layers.append((f"config file {config_path}", _file_settings(config_path)))
+    demo = getattr(args, "demo", "default")
     if uses_demo(argparse.Namespace(config=config_path, overrides=args.overrides)):
-        layers.insert(1, ("the embedded demo fastgrpo/demo/default.py", demo_settings()))
-        cfg = default_config(overrides, out_dir=out, config_path=config_path)
+        where = "fastgrpo/demo/default.py" + (" + fastgrpo/demo/tools.py" if demo == "tools" else "")
+        layers.insert(1, (f"the embedded {'tool ' if demo == 'tools' else ''}demo {where}", demo_settings(demo)))
+        cfg = default_config(overrides, out_dir=out, config_path=config_path, demo=demo)
+    elif demo != "default":
+        raise ValueError(f"--demo {demo}: the demos train the tiny model (model.path=tiny), not the model.path given")
     else:
         cfg = load_config(config_path, overrides + [f"logging.out_dir={out}"])
     layers.append(("--set", apply_overrides({}, overrides)))

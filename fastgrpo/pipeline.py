@@ -344,7 +344,15 @@ def run_eval(cfg: TrainConfig, log: Log = print, allow_untrained: bool = False) 
         f"sample{'s' if cfg.eval.num_samples != 1 else ''} each")
     model, tok = _build_model(cfg, parts, log)
     engine = build_rollout_engine(cfg.rollout, model, tok, prompt_len=_prompt_len(tok, task.heldout))
-    out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log, progress=cfg.logging.progress)
+    if parts.episodes is not None:  # rollout.tools / env: held-out episodes run with their tools, as in training
+        from fastgrpo.trainer.build import build_episode_runner
+
+        engine.episodes = build_episode_runner(cfg.rollout, engine, tok, parts.episodes)
+    try:
+        out = evaluate(engine, task.heldout, rewards, cfg.eval, cfg.rollout, log=log, progress=cfg.logging.progress)
+    finally:
+        if getattr(engine, "episodes", None) is not None:
+            engine.episodes.close()
     for k in eval_order(out):
         log(f"{k}: {number(out[k])}")
     _write_eval_samples(cfg, out, log)

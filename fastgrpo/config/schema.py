@@ -42,7 +42,7 @@ class DataConfig:
     max_prompt_tokens: int = 0  # a longer prompt is an error naming its row (0 = the model's context − rollout.max_new_tokens)
     limit: int = 0  # use only the first N rows of path (0 = all)
     max_operand: int = 50  # arithmetic: operands drawn from [min_operand, max_operand)
-    min_operand: int = 0  # arithmetic: the smallest operand (the tool demo: 10, two- and three-digit numbers)
+    min_operand: int = 0  # arithmetic: the smallest operand (the tool demo: 317, so that every product has six digits)
     operation: str = "+"  # arithmetic: + (the demo's sums) | * (the tool demo's products, beyond the tiny model's head)
     num_heldout: int = 200  # arithmetic: problems kept out of training for eval/accuracy
     seed: int = 0  # split / shuffling seed

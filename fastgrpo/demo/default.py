@@ -55,10 +55,10 @@ def demo_settings(name: str = "default") -> Dict:
         raise ValueError(f"--demo {name!r}: expected one of {list(DEMOS)}")
     base = yaml.safe_load(DEFAULT_YAML)
     if name == "tools":
-        from fastgrpo.config.load import _merge
         from fastgrpo.demo.tools import TOOLS_YAML
 
-        base = _merge(base, yaml.safe_load(TOOLS_YAML))
+        for section, value in yaml.safe_load(TOOLS_YAML).items():
+            base[section] = {**base[section], **value} if isinstance(value, dict) and section in base else value
     return base
 
 

@@ -34,12 +34,6 @@ _BASE = "fastgrpo-base-7f3a"            # a content no template rewrites (no tag
 _THINK_PROBE = "<think>\nprobe-reasoning-91c2\n</think>\n\nprobe-answer"
 
 
-def tag_tool_response(content: str) -> str:
-    """A tool's result in the documented tag format (tokenizers without a chat template); the
-    tiny tool demo's SFT traces write it too (fastgrpo.tasks.arithmetic)."""
-    return f"\n{TOOL_RESPONSE_START}\n{content}\n{TOOL_RESPONSE_END}\n"
-
-
 class TemplateError(ValueError):
     """The chat template cannot render an environment turn as a clean extension (named)."""
 
@@ -105,8 +99,8 @@ class TurnRenderer:
     def environment(self, messages: List[dict]) -> Tuple[Tuple[str, List[int]], Tuple[str, List[int]]]:
         """((text, ids) of the environment's messages, (text, ids) of the next assistant header)."""
         if not self.template:
-            body = "".join(tag_tool_response(m["content"]) if m["role"] == "tool" else f"\n{m['content']}\n"
-                           for m in messages)
+            body = "".join(f"\n{TOOL_RESPONSE_START}\n{m['content']}\n{TOOL_RESPONSE_END}\n" if m["role"] == "tool"
+                           else f"\n{m['content']}\n" for m in messages)
             return (body, _ids(self.tok, body)), ("", [])
         msgs = self._base_msgs + list(messages)
         env = _render(self.tok, msgs, False, self.tools)

@@ -7,15 +7,15 @@ the character tokenizer, where the tags are single tokens). Operands are drawn f
 [min_operand, max_operand); a fixed random subset of the pairs is held out for `eval/accuracy`, so the
 accuracy measured after RL is on sums the model never trained on.
 
-Products (`operation="*"`, "123*45="): two- and three-digit operands are beyond what the tiny
-model computes in its head. With the calculator tool (`tools` holds "calculator",
+Products (`operation="*"`, "412*356="): three-digit operands are beyond what the tiny model
+computes in its head. With the calculator tool (`tools` holds "calculator",
 rollout.tools=[calculator]) the reference trace is an episode: a call, the tool's answer, then
-the same final turn, `<tool_call>{"name":"calculator","arguments":{"expression":"123*45"}}
-</tool_call>` · `\n<tool_response>\n5535\n</tool_response>\n` · `<think>45*123</think><answer>5535
-</answer>`, given to SFT as segments (text, trained): the tool's answer is what the episode
-runner renders between two turns (fastgrpo.episodes.render.tag_tool_response), and SFT does not
+the same final turn, `<tool_call>{"name":"calculator","arguments":{"expression":"412*356"}}
+</tool_call>` · `\n<tool_response>\n146672\n</tool_response>\n` · `<think>356*412</think><answer>
+146672</answer>`, given to SFT as segments (text, trained): the tool's answer is what the episode
+runner renders between two turns (fastgrpo.episodes.render, tag format), and SFT does not
 train on it, as GRPO does not train on environment tokens. Above `MAX_PAIRS` pairs (the tool
-demo has 980,100) the problems are a seeded sample of the pairs instead of all of them.
+demo has 466,489) the problems are a seeded sample of the pairs instead of all of them.
 
 Rewards are the library's, exact and cheap (no sympy): accuracy is 1 when the last
 `<answer>…</answer>` (`fastgrpo.rewards.math.extract_answer`, no last-number fallback) holds the
@@ -40,6 +40,11 @@ _OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 # problems kept at most (train + held out): GRPO's 200 steps x 32 prompts see 6,400 of them, and a
 # million Problem objects would cost ~0.5 GB and seconds at every start
 MAX_PAIRS = 100_000
+# the tag format of fastgrpo.episodes for tokenizers without a chat template (calls.py's Hermes
+# call, render.py's tool answer), written out here because tasks sit above episodes in the layout;
+# tests/demo/test_tools_demo.py checks them against the episode runner's rendering
+TOOL_CALL = "<tool_call>{}</tool_call>"
+TOOL_RESPONSE = "\n<tool_response>\n{}\n</tool_response>\n"
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,9 @@ class ArithmeticTask:
         start then learns the format and the easy sums but is torn on carries, the headroom RL
         with a verifiable reward removes. Products with the calculator: segments (text, trained)
         of a call, the tool's answer (not trained) and the final turn; with probability `noise`
-        the teacher answers in its head instead (the product right, no call), so the cold start
-        calls the tool on some prompts only: RL learns that the call pays. Products without the
-        tool: the final turn alone (`noise` changes nothing)."""
+        the teacher rounds the answer it reads back down to thousands (146672 → 146000), the
+        slip RL then removes. Products without the tool: the final turn alone, exact (`noise`
+        changes nothing: there is no tool answer to misread)."""
         a, b = self.operands(problem)
         if self.operation == "+":
             ans = a + b
@@ -127,15 +132,13 @@ class ArithmeticTask:
                 ans -= 10
             return f"<think>{b}+{a}</think><answer>{ans}</answer>"
         final = f"<think>{b}*{a}</think><answer>{a * b}</answer>"
-        if self.tool is None or (noise > 0 and rng.random() < noise):
+        if self.tool is None:
             return final
-        from fastgrpo.episodes.calls import TOOL_CALL_END, TOOL_CALL_START
-        from fastgrpo.episodes.render import tag_tool_response
-
+        if noise > 0 and rng.random() < noise:
+            final = f"<think>{b}*{a}</think><answer>{a * b // 1000 * 1000}</answer>"
         # compact JSON: 4 tokens fewer for the char tokenizer than json.dumps' spaced default
         call = json.dumps({"name": self.tool, "arguments": {"expression": f"{a}*{b}"}}, separators=(",", ":"))
-        return [(f"{TOOL_CALL_START}{call}{TOOL_CALL_END}", True), (tag_tool_response(str(a * b)), False),
-                (final, True)]
+        return [(TOOL_CALL.format(call), True), (TOOL_RESPONSE.format(a * b), False), (final, True)]
 
     def reward_fns(self) -> Dict[str, Callable]:
         return {"accuracy": accuracy_reward, "format": format_reward}

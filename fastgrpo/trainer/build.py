@@ -143,7 +143,7 @@ def build_model(mcfg: ModelConfig, tokenizer=None):
             base = resolve_adapter_base(mcfg.path, base) if adapter else base
             model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
         if tokenizer is None and (adapter is None or not is_tiny_ref(base)):
-            tok = AutoTokenizer.from_pretrained(path if _has_tokenizer(path) else base)
+            tok = load_tokenizer(path if _has_tokenizer(path) else base)
     if adapter is not None:
         model = lora.load_adapter_model(model, adapter, mcfg.lora)
     elif mcfg.lora.rank:
@@ -257,6 +257,23 @@ def resolve_model_dir(path: str) -> str:
     return path
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of a model folder. A tiny model's character tokenizer (a run's checkpoint) is
+    loaded as the PreTrainedTokenizerFast it was saved from: AutoTokenizer takes Qwen2Tokenizer from
+    the folder's config.json, whose own pre-tokenizer drops spaces and newlines (the tool demo's
+    "\n<tool_response>\n437145\n</tool_response>\n": 8 ids instead of 12), so a checkpoint would
+    read its tool answers otherwise than the run that trained it."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from fastgrpo.models.tiny import is_char_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if type(tok) is not PreTrainedTokenizerFast and is_char_tokenizer(tok):
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        tok.padding_side = "left"  # as build_char_tokenizer sets it
+    return tok
+
+
 def build_tokenizer(mcfg: ModelConfig):
     """(tokenizer, context length or None) of model.path without loading the weights: the task
     is formatted and checked with it before the model or any engine starts."""
@@ -281,7 +298,7 @@ def build_tokenizer(mcfg: ModelConfig):
     else:
         base = path
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = load_tokenizer(path)
         mc = AutoConfig.from_pretrained(base)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
