@@ -18,13 +18,17 @@ whose reset / step times out or fails ends it (`tool_timeout` / `tool_error`); w
 `rollout.tool_errors=stop` so does the first tool error, timeout or unparsable call. Otherwise
 the tool results (an error or a timeout as text) go back to the model and the next turn starts.
 
-Many in flight (`rollout.episode_groups` = k): the episodes of a call are dealt into k groups;
-the engine decodes one group's turn while the tools of the others run (out of process, in
-parallel: fastgrpo.episodes.executor), so tool latency hides behind decoding. k = 1 is
-turn-synchronous batching (every episode decodes its turn, then every tool call runs, then the
-next turn), the loop of most peers. The bound is (d + t) / max(d, t) for a turn's decode d and
-a tool's latency t (benchmarks/bench_tools.py measures it). vLLM schedules its own requests;
-here each group's turn is one engine call, so the same code serves both engines.
+Many in flight (`rollout.episode_groups` = k): the engine decodes batches of ceil(N / k) of the
+call's N episodes, each batch the first ones back from their tools, while the tools of the
+others run (out of process, in parallel: fastgrpo.episodes.executor), so tool latency hides
+behind decoding. k = 1 is turn-synchronous batching (every episode decodes its turn, then every
+tool call runs, then the next turn), the loop of most peers. The bound is (d + t) / max(d, t) for
+a turn's decode d and a tool's latency t, less what the extra calls cost: a call pays its decode
+steps once however few rows it has. Measured (benchmarks/bench_tools.py: SmolLM2-135M float32 on
+one thread of a shared 2-core CPU, 16 episodes of 3 turns, d = 1.9 s, a 1 s tool): k = 2 gave
+1.18x the episodes/s of k = 1; k = 4 and 8 hid 95-98 % of the tool time but cost 1.46x and 1.87x
+the engine CPU time and ran slower (0.91x, 0.75x). vLLM schedules its own requests; here each
+batch's turn is one engine call, so the same code serves both engines.
 
 Asynchronous workers: `hook` (the worker's in-flight hook) is polled between two turns, so a
 weight swap may land between turns; every sampled id keeps the version that sampled it.
@@ -99,6 +103,7 @@ class EpisodeRunner:
         # string (matched on the decoded text)
         self._stop_id = end if isinstance(end, int) and end >= 0 and end != unk else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fastgrpo-env")
+        self._n_threads = 8
 
     def metrics(self) -> Dict[str, float]:
         """`episode/tool_leaks`: processes of finished tool calls still alive (0 unless a tool escaped
@@ -119,6 +124,7 @@ class EpisodeRunner:
             ep.ledger.append("prompt", ep.prompt, 0)
         try:
             if self.env_spec is not None:
+                self._env_threads(len(eps))
                 self._start_envs(eps)
             self._loop(eps, sampling)
         finally:
@@ -131,26 +137,50 @@ class EpisodeRunner:
         return groups
 
     def _loop(self, eps: List[_Episode], sampling: SamplingConfig) -> None:
-        live = [ep for ep in eps if ep.ledger.stop is None]
-        per = max(1, math.ceil(len(live) / max(1, self.s.groups)))
-        ready = list(live)
+        """Decode batches of `per` = ceil(N / k) episodes (N: the call's), each the first `per` back
+        from their tools; while fewer are back, wait for more (k = 1: every live episode, i.e. the
+        whole turn's tools), and when fewer are left, all of them. A batch waits for enough
+        episodes, not for one particular one: with k > 1 a slow tool holds back its own episode,
+        and a batch is never cut below `per` while more are coming (a call pays its decode
+        steps once, however few rows it has)."""
+        ready = [ep for ep in eps if ep.ledger.stop is None]
+        per = max(1, math.ceil(len(ready) / max(1, self.s.groups)))
         waiting: Dict[concurrent.futures.Future, _Episode] = {}
         turn_sampling = self._turn_sampling(sampling)
         while ready or waiting:
-            if ready:
-                batch, ready = ready[:per], ready[per:]
+            self._collect(waiting, ready, block=False)
+            want = min(per, len(ready) + len(waiting))
+            if ready and len(ready) >= want:
+                batch, ready[:want] = ready[:want], []
                 for ep, out in zip(batch, self._decode(batch, turn_sampling, sampling)):
                     fut = self._after_turn(ep, out)
                     if fut is not None:
                         waiting[fut] = ep
-            if waiting and (not ready or any(f.done() for f in waiting)):
-                done, _ = concurrent.futures.wait(list(waiting), return_when=concurrent.futures.FIRST_COMPLETED)
-                for fut in done:
-                    ep = waiting.pop(fut)
-                    if self._answered(ep, fut.result()):
-                        ready.append(ep)
+            elif waiting:
+                self._collect(waiting, ready, block=True)
             if self.hook is not None:
                 self.hook()  # an async worker may load staged weights here, between two turns
+
+    def _collect(self, waiting: Dict[concurrent.futures.Future, _Episode], ready: List[_Episode], block: bool) -> None:
+        """Move the episodes whose tools answered from `waiting` to the end of `ready` (those that go
+        on; the others have ended). block: wait for at least one answer."""
+        if not waiting:
+            return
+        done, _ = concurrent.futures.wait(list(waiting), timeout=None if block else 0,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for fut in sorted(done, key=lambda f: waiting[f].index):
+            ep = waiting.pop(fut)
+            if self._answered(ep, fut.result()):
+                ready.append(ep)
+
+    def _env_threads(self, n: int) -> None:
+        """Threads for `n` environment calls at once: every episode's step of a turn runs in
+        parallel (k = 1 sends all of them together; each thread only waits on its process's pipe),
+        not 8 at a time."""
+        if n > self._n_threads:
+            old, self._n_threads = self._threads, n
+            self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastgrpo-env")
+            old.shutdown(wait=True)
 
     def _turn_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
         if not self._calls_tools:

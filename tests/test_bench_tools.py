@@ -1,0 +1,42 @@
+"""benchmarks/bench_tools.py runs (the tiny model, t = 0 / 0.05 s, k = 1 / 2): every episode takes
+its 3 turns, the token check runs on all of them (0 mismatches, else the script fails), and the
+table has a row per (k, t) with its episodes/s and the hidden share beside it."""
+import csv
+
+from benchmarks import bench_tools as B
+
+
+def test_smoke_run_checks_every_episode_and_writes_the_table(tmp_path, capsys):
+    out, timeline = tmp_path / "tools.csv", tmp_path / "timeline.csv"
+    assert B.main(["--smoke", "--csv", str(out), "--timeline", str(timeline)]) == 0
+    printed = capsys.readouterr().out
+    assert "token identity: 0 mismatched episodes of 16 " in printed and "turns {3: 16}" in printed
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["case"], float(r["latency_s"])) for r in rows] == [
+        ("k=1 turn-sync", 0.0), ("k=2 in flight", 0.0), ("k=1 turn-sync", 0.05), ("k=2 in flight", 0.05)]
+    for r in rows:
+        assert float(r["episodes_per_s"]) > 0 and float(r["engine_s"]) > 0
+    assert all(r["hidden"] != "" for r in rows if float(r["latency_s"]) > 0)
+    phases = {(r["row"], r["phase"]) for r in csv.DictReader(open(timeline))}
+    assert {("k=2 in flight", "decode"), ("k=2 in flight", "tool")} <= phases
+
+
+def test_the_token_check_catches_a_trained_id_the_engine_did_not_sample():
+    """mismatches() fails an episode whose mask-1 ids differ from what the engine returned."""
+    from fastgrpo.episodes.ledger import Ledger
+    from fastgrpo.rollout.base import Completion
+
+    led = Ledger()
+    led.append("prompt", [1, 2], 0)
+    led.append("sampled", [3, 4], 1, logprobs=[-0.1, -0.2])
+    led.append("environment", [5], 1)
+    led.append("sampled", [6], 2, logprobs=[-0.3])
+    led.end("done")
+    c = Completion([3, 4, 5, 6], [-0.1, -0.2, 0.0, -0.3], "stop", sampled_mask=[1, 1, 0, 1])
+    c.episode = led
+    calls = [(0.0, 1.0, [((1, 2), (3, 4)), ((1, 2, 3, 4, 5), (6,))])]
+    assert B.mismatches([[c]], calls) == {"mismatched_episodes": 0, "episodes": 1, "sampled_tokens": 3}
+    bad = [(0.0, 1.0, [((1, 2), (3, 4)), ((1, 2, 3, 4, 5), (7,))])]  # the engine sampled 7, the ledger holds 6
+    assert B.mismatches([[c]], bad)["mismatched_episodes"] == 1
+    c.sampled_mask = [1, 1, 1, 1]  # an environment id trained
+    assert B.mismatches([[c]], calls)["mismatched_episodes"] == 1
