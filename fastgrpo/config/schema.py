@@ -79,7 +79,7 @@ class RolloutConfig:
     env: str = ""  # an environment class module:Class / file.py:Class (reset(row) -> str | None, step(text) -> (obs, reward, done)), one instance per episode, out of process
     max_turns: int = 4  # model turns per episode
     history: str = "auto"  # a chat template that rewrites earlier turns (Qwen3's <think> stripping): keep (train the ledger as sampled) | fork (a new sample from there); auto: refuse such a template
-    episode_groups: int = 4  # episodes in flight: k groups, one decoding while the others' tools run (1 = turn-synchronous)
+    episode_groups: int = 2  # episodes in flight: k groups, one decoding while the others' tools run (1 = turn-synchronous; benchmarks/bench_tools.py: k = 2 best at 135M on CPU)
     tool_timeout: float = 10.0  # wall-clock seconds of one tool call or environment reset / step; then its process group is killed
     tool_output_chars: int = 2000  # characters of one tool result the model reads (the rest is cut, with a note)
     tool_parallel: int = 4  # tool calls running at once over all episodes (one warm worker each)
