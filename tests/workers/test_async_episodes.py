@@ -2,10 +2,17 @@
 the episodes (their environment in the worker's own processes), weights may load between two
 turns (rollout.inflight=keep), every sampled token keeps the version that sampled it, staleness is
 counted from an episode's oldest token, and the trainer trains exactly the ids the worker sampled."""
+import os
+import sys
+
 from async_helpers import async_cfg
 from trainer_helpers import NoisyTask
 
-from fastgrpo.episodes.ledger import Ledger
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "rollout"))
+
+from episode_kit import trained_ids  # noqa: E402  (the episode tests' view of a packed batch)
+
+from fastgrpo.episodes.ledger import Ledger  # noqa: E402
 
 ENV = "class Env:\n    def reset(self, row):\n        self.n = 0\n" \
       "    def step(self, text):\n        self.n += 1\n        return ('ok', None, self.n >= 3)\n"
@@ -43,14 +50,7 @@ def test_async_workers_train_exactly_the_sampled_ids_of_multi_turn_episodes(ray_
     assert max(m["episode/turns_mean"] for m in logs) > 1.0
     n = n_trained = 0
     for problems, groups, batches in seen:
-        trained = {}
-        for b in batches:
-            if b is None:
-                continue
-            lo = b.loss_cu_seqlens.tolist()
-            for s, key in enumerate(b.ids):
-                t, m = b.targets[lo[s]:lo[s + 1]], b.loss_mask[lo[s]:lo[s + 1]] > 0
-                trained[tuple(key)] = t[m].tolist()
+        trained = {key: ids for key, (ids, _) in trained_ids(batches).items()}
         for p, g in zip(problems, groups):
             for j, c in enumerate(g):
                 led = c.episode
