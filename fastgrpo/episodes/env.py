@@ -40,6 +40,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
+from fastgrpo.episodes.env_adapters import trl_tool_methods
 from fastgrpo.episodes.toolproc import become_session_leader, kill_group, wait_group_gone, worker_context
 from fastgrpo.episodes.tools import SpecError, reimport, resolve_spec, tool_schema
 
@@ -78,13 +79,6 @@ def _required_args(fn) -> list:
         return []
     return [p.name for p in sig.parameters.values()
             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def trl_tool_methods(cls) -> dict:
-    """{name: function} of the public methods TRL exposes as tools (not reset / get_reward),
-    listed on the class as TRL does (getmembers on an instance would evaluate properties)."""
-    return {n: f for n, f in inspect.getmembers(cls, predicate=inspect.isfunction)
-            if not n.startswith("_") and n not in ("reset", "get_reward")}
 
 
 def classify(obj: Any, spec: str) -> Tuple[str, Tuple[dict, ...]]:

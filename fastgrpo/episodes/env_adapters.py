@@ -26,6 +26,13 @@ from fastgrpo.episodes.calls import TOOL_RESPONSE_END, TOOL_RESPONSE_START, Tool
 from fastgrpo.episodes.tools import Tool, check_arguments, result_text, tool_schema
 
 
+def trl_tool_methods(cls) -> dict:
+    """{name: function} of the public methods TRL exposes as tools (not reset / get_reward),
+    listed on the class as TRL does (getmembers on an instance would evaluate properties)."""
+    return {n: f for n, f in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not n.startswith("_") and n not in ("reset", "get_reward")}
+
+
 def _cut(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + f"\n...[{len(text) - max_chars} more characters cut]"
 
@@ -53,7 +60,6 @@ class TRLEnvAdapter(NativeEnv):
     """A TRL environment_factory object: reset(**row), public methods as tools, get_reward()."""
 
     def __init__(self, env: Any, max_chars: int, schemas: Sequence[dict] = ()):
-        from fastgrpo.episodes.env import trl_tool_methods
 
         super().__init__(env, max_chars)
         self.max_chars = max_chars
