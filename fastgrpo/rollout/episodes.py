@@ -210,7 +210,6 @@ class EpisodeRunner:
         turn = led.turns + 1
         v = out.policy_version if out.policy_version is not None else (self.version() if self.version else None)
         versions = out.token_versions or ([v] * len(out.token_ids) if v is not None else None)
-        parse_text = self.tok.decode(out.token_ids, skip_special_tokens=False)
         led.append("sampled", out.token_ids, turn, logprobs=out.logprobs, versions=versions, text=out.text)
         ep.used += len(out.token_ids)
         ep.last_text = out.text
@@ -218,6 +217,8 @@ class EpisodeRunner:
         if out.finish_reason == "length":  # no turn follows a truncated one
             led.end("budget" if ep.used >= self.s.max_tokens else "length")
             return None
+        # parsed from the ids as sampled, special tokens kept (a tag may be one); never re-encoded
+        parse_text = self.tok.decode(out.token_ids, skip_special_tokens=False) if self.tools or ep.env else ""
         items = parse_tool_calls_ordered(parse_text) if self.tools else []
         led.tool_calls += sum(1 for c in items if not isinstance(c, str))
         led.parse_errors += sum(1 for c in items if isinstance(c, str))
@@ -226,8 +227,6 @@ class EpisodeRunner:
         if items and turn >= self.s.max_turns:
             led.end("max_turns")
             return None
-        if ep.env is not None:
-            return self._threads.submit(self._env_step, ep, parse_text, items)
         if not items:
             led.end("done")
             return None
