@@ -168,9 +168,13 @@ def strip_local_rank(argv: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The command line (`argv`: its arguments; None: this process's own, `fastgrpo …` / `python -m
+    fastgrpo.cli …`, which also owns the process: `_own_process`)."""
+    if argv is None:
+        return _own_process(lambda: main(sys.argv[1:]))
     from fastgrpo.trainer.backend import launcher_env
 
-    argv = strip_local_rank(list(sys.argv[1:] if argv is None else argv))
+    argv = strip_local_rank(list(argv))
     try:
         rank = launcher_env().rank
     except ValueError as e:
@@ -207,6 +211,41 @@ def main(argv: Optional[List[str]] = None) -> int:
         restore_compiler_cache(old_cache, out)  # and its folder, when nothing was compiled into it
 
 
+def _own_process(command) -> int:
+    """`command()` as the process's program. A signal at any moment ends it with 128 + the signal's
+    number: during a run as the run's own handling says (fastgrpo.runs.folder.graceful_signals),
+    outside it (the config's load, the return after the run's last line) at once with one line
+    saying where (`last_where`), and once the command has returned as the signal's default action
+    (nothing more to say) — never raised into the interpreter's exit as a traceback, nor lost after
+    the last Python code ran (rc 0). A run a signal stops ends within STOP_GRACE_S even when its
+    cleanup blocks (`exit_deadline`). A library caller of `main(argv)` keeps its own handlers."""
+    import signal
+
+    from fastgrpo.runs.folder import SIGNALS, exit_deadline, interrupted_line, last_where, stop_at_once
+
+    def default_signals():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+
+    def stop(signum, frame):  # outside a run's own handling (config, the tail after it): at once, saying where
+        default_signals()
+        raise stop_at_once(signum, last_where())
+
+    exit_deadline(True)
+    for s in SIGNALS:
+        signal.signal(s, stop)
+    try:
+        rc = command()
+    except KeyboardInterrupt as e:  # raised outside the command's own handling of it
+        default_signals()
+        name = getattr(e, "signame", None) or "SIGINT"
+        print(f"fastgrpo: {interrupted_line(name, getattr(e, 'where', None))}", file=sys.stderr)
+        return 128 + int(getattr(signal, name, signal.SIGINT))
+    finally:
+        default_signals()
+    return rc
+
+
 def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existed: bool) -> int:
     """The command's library function, its failures turned into one line and an exit code."""
     from fastgrpo.logs.console import quiet_console
@@ -237,9 +276,10 @@ def _run(args, cfg, source: str, unused: List[str], log, main_rank: bool, existe
         log(f"fastgrpo: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM outside GRPO's steps (or a second one): stops at once
+        from fastgrpo.runs.folder import interrupted_line
+
         name = getattr(e, "signame", None) or str(e) or "SIGINT"
-        where = getattr(e, "where", None) or "before any GRPO step finished; run the same command to resume"
-        log(f"fastgrpo: interrupted by {name} {where}", file=sys.stderr)
+        log(f"fastgrpo: {interrupted_line(name, getattr(e, 'where', None))}", file=sys.stderr)
         return 143 if name == "SIGTERM" else 130
     except Exception as e:  # noqa: BLE001 — expected input errors are one line (exit 2); others re-raise
         if not _expected(e, out):

@@ -160,30 +160,40 @@ def run_train(cfg: TrainConfig, log: Log = print) -> Dict[str, float]:
 
     Temporary files live in `<out_dir>/tmp` (removed at the end and at the next start);
     SIGINT / SIGTERM during GRPO end the run after the current step with a checkpoint
-    (`TrainingInterrupted`), before it interrupt at once (KeyboardInterrupt)."""
+    (`TrainingInterrupted`); at any other moment, from the first check of the inputs to the
+    return, they interrupt at once (`RunInterrupted`, a KeyboardInterrupt saying where: before any
+    GRPO step, after the last one during the final evaluation or while closing, after the run
+    finished)."""
     from fastgrpo.runs.folder import graceful_signals, run_tmpdir
 
-    want_sft = cfg.sft_first and cfg.sft.steps > 0
-    parts = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
-    from fastgrpo.runs.record import plan_resume
-
-    plan = plan_resume(cfg)  # a resume's settings against the run's own record, before anything is written
-    os.makedirs(cfg.logging.out_dir, exist_ok=True)
-    from fastgrpo.trainer.backend import launcher_env
-    from fastgrpo.runs.lock import RunLock
-
-    # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
-    lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
     progress = {"where": BEFORE_GRPO}  # what the run has done, for the message of a signal that stops it at once
-    with lock, graceful_signals(None, where=lambda: progress["where"]), run_tmpdir(cfg.logging.out_dir):
-        from fastgrpo.recipes import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
+    with graceful_signals(None, where=lambda: progress["where"]):
+        want_sft = cfg.sft_first and cfg.sft.steps > 0
+        parts = load_run(cfg, log, need_sft=want_sft)  # every input checked before the run folder is touched
+        from fastgrpo.runs.record import plan_resume
 
-        done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
-        return stages.run_stage(cfg, log, stages.earlier_summary(cfg) if done
-                                else _train(cfg, log, parts, want_sft, plan, progress), parts)
+        plan = plan_resume(cfg)  # a resume's settings against the run's own record, before anything is written
+        os.makedirs(cfg.logging.out_dir, exist_ok=True)
+        from fastgrpo.trainer.backend import launcher_env
+        from fastgrpo.runs.lock import RunLock
+
+        # one run per folder: rank 0 holds the lock (the other ranks are its own processes)
+        lock = RunLock(cfg.logging.out_dir, log=log) if launcher_env().rank == 0 else contextlib.nullcontext()
+        with lock, run_tmpdir(cfg.logging.out_dir):
+            from fastgrpo.recipes import stages  # rm_stage: RM-GRPO after RLVR, in <out_dir>/rm_stage
+
+            done = stages.stage_started(cfg)  # resuming inside the stage: RLVR is done
+            summary = stages.earlier_summary(cfg) if done else _train(cfg, log, parts, want_sft, plan, progress)
+            if cfg.rm_stage.steps:
+                progress["where"] = ("after the RLVR stage finished, during the RM stage (rm_stage); run the same "
+                                     "command to resume it")
+            summary = stages.run_stage(cfg, log, summary, parts)
+            progress["where"] = FINISHED
+        return summary
 
 
 BEFORE_GRPO = "before any GRPO step finished; run the same command to resume"
+FINISHED = "after the run finished (its last line above): nothing to redo"
 
 
 def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=None,
@@ -262,13 +272,15 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
             if bar is not None:
                 bar.close()
         if getattr(trainer, "_stop_signal", None) is not None:  # a signal during the final save: stop as it said
-            from fastgrpo.runs.folder import TrainingInterrupted
+            from fastgrpo.runs.folder import TrainingInterrupted, stop_deadline
 
             path = ckpt.latest_checkpoint(out) if cfg.checkpoint.at_end else trainer.save()  # as the loop does
-            raise TrainingInterrupted(trainer._stop_signal, trainer.step_num, path)
+            stop = TrainingInterrupted(trainer._stop_signal, trainer.step_num, path)
+            stop_deadline(stop.exit_code, str(stop))
+            raise stop
         saved = " (checkpoint written)" if cfg.checkpoint.at_end and trainer.step_num > 0 else ""
-        progress["where"] = (f"after the last GRPO step {trainer.step_num}{saved}, during the final evaluation; run the "
-                             "same command to finish the run")
+        after = f"after the last GRPO step {trainer.step_num}{saved}"
+        progress["where"] = f"{after}, during the final evaluation; run the same command to finish the run"
         rl_s = time.perf_counter() - t_rl
         summary.update(steps=trainer.step_num, rl_s=rl_s)
         if task.heldout:
@@ -284,6 +296,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
 
             trainer.sync_engine()
             summary.update(fusion_stage(cfg, trainer.backend.module, tok, task, rewards, trainer.engine, log=log))
+        progress["where"] = f"{after}, while closing the run (plots, summary.json); run the same command to finish it"
     finally:
         trainer.close()
     if cfg.logging.plots and trainer.rank == 0:
@@ -295,6 +308,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         log(f"{run_folder_line(out, cfg.logging.tensorboard, cfg.logging.plots)} — {summary['wall_s']:.0f} s total")
+    progress["where"] = FINISHED
     return summary
 
 

@@ -18,7 +18,8 @@ import warnings
 LIBRARY_LOGGERS = ("vllm", "transformers", "DeepSpeed", "deepspeed", "datasets", "triton",
                    "ray",  # its driver-side lines: "Token authentication is enabled for this Ray cluster …"
                    "huggingface_hub", "py.warnings", "urllib3", "filelock", "accelerate", "trl",
-                   "fastgrpo.reward_output")  # what user rewards print and warn (fastgrpo/rewards/worker.py), judge counts
+                   "fastgrpo.reward_output",  # what user rewards print and warn (rewards/worker.py), judge counts
+                   "fastgrpo.run")  # the run's log-only lines (TensorBoard's writer stopping: logs/metrics.py)
 # the run folder whose log.txt this process's library logs go to (None: not quieted, a library
 # user's process or --verbose): an async run's rollout workers quiet theirs into the same file
 QUIETED = None
@@ -82,9 +83,21 @@ class _LazyFileHandler(logging.FileHandler):
         super().__init__(path, encoding="utf-8", delay=True)
 
     def emit(self, record):
-        if self.stream is None:
-            os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
-        super().emit(record)
+        try:
+            if self.stream is None:
+                os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
+            super().emit(record)
+        except OSError:  # the folder or file cannot be made (a full disk): as handleError below
+            pass
+
+    def handleError(self, record):  # noqa: N802 - logging's name
+        """A record that cannot be written because of the disk (full, quota, read-only: the run says
+        so in its own one line) is dropped quietly, not logging's "--- Logging error ---" traceback."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handleError(record)
 
 
 class _KeptHandlers(list):

@@ -7,7 +7,10 @@ time as `timing/rollout`, so a profile and the metrics use the same names. NVTX 
 torch.cuda.nvtx is used on GPU machines. Metrics rows go to `metrics.jsonl` (one JSON object per
 line, flushed per row so that a killed run keeps every finished step), to TensorBoard through
 torch.utils.tensorboard when tensorboard is importable, and to PNG plots drawn at the end with
-matplotlib's Agg backend (no display needed). A run killed mid-row or stopped by a full disk can
+matplotlib's Agg backend (no display needed). TensorBoard's writer writes from a thread of its own:
+its first failure (a full disk) closes it with one line in the run's log (`<run>/log.txt`, logger
+`fastgrpo.run`), not a thread's traceback on the console, and metrics.jsonl goes on (or fails with
+the run's one line). A run killed mid-row or stopped by a full disk can
 leave a torn last line; opening the file again ends that line first (`end_torn_line`), so the
 resumed run's first row starts a line of its own instead of being glued onto the fragment (and
 lost with it: `read_metrics` skips lines that do not parse). The same logger is the run's one
@@ -91,6 +94,81 @@ class Timers:
         return out
 
 
+RUN_LOG = "fastgrpo.run"  # lines for the run's log only (<run>/log.txt: fastgrpo.logs.console)
+_REPORTED: set = set()  # ids of writer failures already said (the thread's and the caller's copy are one object)
+
+
+def _say_tb_failure(exc: BaseException, log_dir: str) -> None:
+    if id(exc) in _REPORTED:
+        return
+    _REPORTED.add(id(exc))
+    import logging
+
+    logging.getLogger(RUN_LOG).warning("TensorBoard's writer stopped (%s: %s); %s holds the events written before, "
+                                       "metrics.jsonl has every row", type(exc).__name__, exc, log_dir)
+
+
+def _tb_writer_thread(thread) -> bool:
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # pragma: no cover - a TensorBoard without it has no such thread
+        return False
+    return isinstance(thread, _AsyncWriterThread)
+
+
+def _quiet_writer_threads() -> None:
+    """Once per process: an OSError that ends TensorBoard's writer thread (a full disk, a folder
+    deleted mid-run) is one line in the run's log instead of Python's "Exception in thread"
+    traceback on stderr; the writer keeps the exception and raises it at the next call, where
+    `_TensorBoard` closes it. Every other thread's exception goes to the previous hook."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_fastgrpo_tb", False):
+        return
+
+    def hook(args):
+        if args.exc_type is not None and issubclass(args.exc_type, OSError) and _tb_writer_thread(args.thread):
+            _say_tb_failure(args.exc_value, "tb/")
+            return
+        previous(args)
+
+    hook._fastgrpo_tb = True
+    threading.excepthook = hook
+
+
+class _TensorBoard:
+    """torch's SummaryWriter, closed at its first failure with one line in the run's log: a full
+    disk stops TensorBoard, not the run (metrics.jsonl meets the same disk and says so)."""
+
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        _quiet_writer_threads()
+        self.log_dir = log_dir
+        self._w = SummaryWriter(log_dir=log_dir)
+
+    def __getattr__(self, name):  # add_scalar, add_text, flush, close
+        w = self.__dict__.get("_w")
+
+        def call(*args, **kwargs):
+            if w is None or self._w is None:
+                return None
+            try:
+                return getattr(w, name)(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 — whatever the writer hit, TensorBoard stops, the run goes on
+                self._fail(e)
+                return None
+
+        return call
+
+    def _fail(self, e: BaseException) -> None:
+        _say_tb_failure(e, self.log_dir)
+        w, self._w = self._w, None
+        with contextlib.suppress(Exception):  # its thread has ended; the final flush meets the same disk
+            w.close()
+
+
 class MetricsLogger:
     """metrics.jsonl (+ TensorBoard events, + samples when `samples_every` > 0, + W&B when
     `wandb.mode` is not disabled) in `out_dir`. Only rank 0 writes."""
@@ -114,9 +192,8 @@ class MetricsLogger:
         if tensorboard:
             try:
                 import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-                from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=os.path.join(out_dir, "tb"))
+                self._tb = _TensorBoard(os.path.join(out_dir, "tb"))
             except ImportError:
                 self._tb = None
         if wandb is not None and wandb.mode != "disabled":
@@ -140,8 +217,12 @@ class MetricsLogger:
             return
         row = {"step": int(step), "time": time.time()}
         row.update({k: json_value(v) for k, v in metrics.items()})
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        line = json.dumps(row) + "\n"
+        from fastgrpo.runs.folder import saving
+
+        with saving(f"the metrics of step {int(step)}", self.path):  # a full disk: one line naming the file
+            self._f.write(line)
+            self._f.flush()
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):

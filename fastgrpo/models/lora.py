@@ -6,6 +6,16 @@ weight, so the optimizer (fastgrpo.trainer.build.build_optimizer takes the param
 a gradient) holds AdamW state for the adapter alone. `load_adapter_model` does the same from a PEFT
 adapter folder (its base named by its adapter_config.json).
 
+What identifies a base is its weights, not its shapes or its name: a base of the same sizes (another
+seed, another fine-tune, a folder whose files were replaced) takes an adapter without complaint and
+trains on the wrong model. So an adapter fastgrpo saves carries `fastgrpo_base.json`: the base it
+was trained on as named, and a few of that base's weights at fixed positions of every tensor
+(`base_sample`, taken once when the adapter is attached or loaded: the base is frozen).
+`load_adapter_model` and `load_adapter_state` compare that sample with the base they are given
+and refuse another base at load (`check_base`), naming both. Compared as bfloat16 (the coarsest
+of the dtypes a base is loaded in), so the same base in float32, bfloat16 or float16 matches; an
+adapter from elsewhere (no such file) is checked by its shapes only.
+
 Departure from TRL / PEFT's usual object graph: the trainer keeps the *HF model* (its decoder
 layers now holding PEFT's wrappers) as its module, not the `PeftModel` around it, so the packed
 forward, the fused CPU layers, the built-in engine and the weight sync see the module they know
@@ -34,7 +44,13 @@ import torch.nn as nn
 PEFT_ATTR = "_fastgrpo_peft"  # the PeftModel around a LoRA'd HF model (in __dict__: not a submodule)
 SYNC_ATTR = "_fastgrpo_lora_sync"  # model.lora.sync: what an engine with weights of its own is sent
 BASE_ATTR = "_fastgrpo_lora_base"  # what adapter_config.json names as the base ("tiny", a folder, a hub id)
+SAMPLE_ATTR = "_fastgrpo_lora_base_sample"  # base_sample of the base, taken before PEFT wrapped it
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_FILE = "fastgrpo_base.json"  # in an adapter folder fastgrpo saved: the base it was trained on (check_base)
+SAMPLES_PER_TENSOR = 8
+# share of sampled values that may differ (as bfloat16) in the same base loaded in another dtype: a
+# float16 load rounds twice; another base differs in nearly all of them
+BASE_MISMATCH = 0.05
 _WARNED: set = set()
 
 
@@ -100,12 +116,14 @@ def attach_lora(model, lcfg, base_ref: str = ""):
     # check refused names outside the decoder layers (lm_head, embeddings)
     pc = LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                     target_modules=target_names(model, lcfg), bias="none", task_type="CAUSAL_LM")
-    return _wrap(get_peft_model(model, pc), model, base_ref)
+    sample = base_sample(model)  # before PEFT renames the base's weights
+    return _wrap(get_peft_model(model, pc), model, base_ref, sample)
 
 
-def _wrap(peft_model, model, base_ref: str):
+def _wrap(peft_model, model, base_ref: str, sample: Dict[str, List[float]]):
     model.__dict__[PEFT_ATTR] = peft_model
     model.__dict__[BASE_ATTR] = base_ref
+    model.__dict__[SAMPLE_ATTR] = sample
     for cfg in peft_model.peft_config.values():
         cfg.base_model_name_or_path = base_ref or cfg.base_model_name_or_path
     return model
@@ -145,8 +163,92 @@ def load_adapter_model(model, path: str, lcfg=None, trainable: bool = True):
     if lcfg is not None and lcfg.rank and r is not None and int(r) != lcfg.rank:
         raise ValueError(f"config model.lora.rank={lcfg.rank}: the adapter of model.path={path!r} has rank {r}; "
                          "expected the same rank (or 0: the folder's own)")
+    sample = base_sample(model)
+    check_base(path, sample, f"model.path={path!r}")  # the base it was trained on, not one of the same shapes
     peft_model = PeftModel.from_pretrained(model, path, is_trainable=trainable)
-    return _wrap(peft_model, model, adapter_base(path))
+    return _wrap(peft_model, model, adapter_base(path), sample)
+
+
+# ------------------------------------------------------------------ the base an adapter belongs to
+@torch.no_grad()
+def base_sample(model) -> Dict[str, List[float]]:
+    """SAMPLES_PER_TENSOR values of every floating-point tensor of `model`'s state dict, at evenly
+    spread positions of the flattened tensor: what tells one base from another of the same shapes."""
+    out: Dict[str, List[float]] = {}
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+            continue
+        flat = t.reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel())).round().long()
+        out[name] = flat[idx.to(flat.device)].float().cpu().tolist()
+    return out
+
+
+def _recorded_base(path: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(path, BASE_FILE)) as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{os.path.join(path, BASE_FILE)}: unreadable ({e}); expected the base record fastgrpo "
+                         "wrote with the adapter") from None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("sample"), dict) else None
+
+
+def _differing(recorded: Dict[str, List[float]], sample: Dict[str, List[float]]) -> Tuple[int, int, Optional[str]]:
+    """(sampled values that differ as bfloat16, values compared, the first tensor with one)."""
+    bad = total = 0
+    first = None
+    for name in sorted(set(recorded) & set(sample)):
+        a, b = recorded[name], sample[name]
+        if len(a) != len(b):
+            bad, total, first = bad + max(len(a), len(b)), total + max(len(a), len(b)), first or name
+            continue
+        ta = torch.tensor(a, dtype=torch.float32).to(torch.bfloat16)
+        tb = torch.tensor(b, dtype=torch.float32).to(torch.bfloat16)
+        n = int((ta != tb).sum())
+        bad, total = bad + n, total + len(a)
+        if n and first is None:
+            first = name
+    return bad, total, first
+
+
+def check_base(path: str, sample: Dict[str, List[float]], who: str) -> None:
+    """Refuse a base whose weights are not those adapter folder `path` was trained on (its
+    BASE_FILE, when fastgrpo saved it): one ValueError naming the base it was trained on and the
+    one given. `sample`: base_sample of the given base; `who`: the setting named first."""
+    rec = _recorded_base(path)
+    if rec is None or not sample:
+        return
+    bad, total, first = _differing(rec["sample"], sample)
+    if total and bad <= BASE_MISMATCH * total:
+        return
+    trained = rec.get("base_path") or rec.get("base") or "?"
+    try:
+        named = adapter_base(path)
+    except ValueError:
+        named = "?"
+    shown = os.path.abspath(named) if os.path.exists(named) else named
+    why = (f"{bad} of {total} sampled base weights differ, the first in {first}" if total
+           else "no base weight of the same name")
+    if shown == trained or named == rec.get("base"):
+        raise ValueError(f"{who}: the adapter was trained on the base {trained!r}, whose weights have changed since "
+                         f"({why}); expected the base it was trained on, unchanged")
+    raise ValueError(f"{who}: the adapter was trained on the base {trained!r} ({BASE_FILE}), but its "
+                     f"{ADAPTER_CONFIG} names the base {shown!r}, another model of the same shapes ({why}); "
+                     f"expected the base it was trained on: set base_model_name_or_path to it")
+
+
+def _save_base_record(model, path: str) -> None:
+    sample = getattr(model, "__dict__", {}).get(SAMPLE_ATTR)
+    if not sample:
+        return
+    base = model.__dict__.get(BASE_ATTR) or ""
+    rec = {"base": base, "base_path": os.path.abspath(base) if base and os.path.exists(base) else None,
+           "samples_per_tensor": SAMPLES_PER_TENSOR, "sample": sample}
+    with open(os.path.join(path, BASE_FILE), "w") as f:
+        json.dump(rec, f)
 
 
 def sync_mode(model) -> str:
@@ -189,8 +291,10 @@ def adapter_bytes(model) -> int:
 
 
 def save_adapter(model, path: str) -> str:
-    """PEFT's adapter folder (adapter_config.json + adapter_model.safetensors) of `model`."""
+    """PEFT's adapter folder (adapter_config.json + adapter_model.safetensors) of `model`, with the
+    base it was trained on (BASE_FILE: checked when the adapter is loaded again)."""
     peft_of(model).save_pretrained(path, safe_serialization=True, save_embedding_layers=False)
+    _save_base_record(model, path)
     return path
 
 
@@ -201,6 +305,7 @@ def load_adapter_state(model, path: str) -> None:
     from safetensors.torch import load_file
     from peft import set_peft_model_state_dict
 
+    check_base(path, getattr(model, "__dict__", {}).get(SAMPLE_ATTR) or {}, f"adapter {path}")
     file = os.path.join(path, "adapter_model.safetensors")
     try:
         state = load_file(file)

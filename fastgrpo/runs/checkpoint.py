@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from fastgrpo.runs.folder import saving
 from fastgrpo.runs.checkpoint_load import (  # noqa: F401  (re-exported: the module's public names)
     CHECKSUMS,
     MODEL_MARKER,
@@ -111,6 +112,14 @@ def _remove_stale_tmp(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def torch_save(obj, path: str) -> None:
+    """`torch.save(obj, path)` through a Python file: torch's own C++ stream turns a full disk into
+    "basic_ios::clear: iostream error" with no errno (issue 34: rc 1 and a traceback), where a
+    Python file raises OSError(ENOSPC) that `fastgrpo.runs.folder.saving` names in one line."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def begin_path(out_dir: str, step: int) -> str:
     """The temp directory that `save_checkpoint` of this process builds step `step` in."""
     return os.path.join(ckpt_root(out_dir), f".tmp-step-{step:08d}-{os.getpid()}")
@@ -142,31 +151,35 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, scheduler=No
     final = os.path.join(root, f"step-{step:08d}")
     tmp = tmp or begin_path(out_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
-        mdir = os.path.join(tmp, "model")
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(mdir, safe_serialization=True, state_dict=model_state)
-        else:
-            os.makedirs(mdir)
-            torch.save(model_state if model_state is not None else model.state_dict(), os.path.join(mdir, "model.pt"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(mdir)
-        if shards is not None:
-            shards(tmp)
-        state = {
-            "step": step,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "curriculum": curriculum.state_dict() if curriculum is not None else None,
-            "rng": rng_state(),
-            "extra": extra or {},
-        }
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "format": 2}, f)  # 2: with checksums.json
-        write_checksums(tmp)  # last: it covers every file above, the other ranks' shards included
-        _fsync_tree(tmp)
+        # a full disk (or quota, read-only file system) in any writer below: one OSError naming the
+        # step and its folder (the CLI's one line, exit code 2), the previous checkpoints untouched
+        with saving(f"the checkpoint of step {step}", final):
+            os.makedirs(tmp)
+            mdir = os.path.join(tmp, "model")
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(mdir, safe_serialization=True, state_dict=model_state)
+            else:
+                os.makedirs(mdir)
+                torch_save(model_state if model_state is not None else model.state_dict(),
+                           os.path.join(mdir, "model.pt"))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(mdir)
+            if shards is not None:
+                shards(tmp)
+            state = {
+                "step": step,
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "curriculum": curriculum.state_dict() if curriculum is not None else None,
+                "rng": rng_state(),
+                "extra": extra or {},
+            }
+            torch_save(state, os.path.join(tmp, "state.pt"))
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"step": step, "format": 2}, f)  # 2: with checksums.json
+            write_checksums(tmp)  # last: it covers every file above, the other ranks' shards included
+            _fsync_tree(tmp)
     except BaseException:
         # a failed write (a rank died inside `shards`, disk full) leaves only the complete
         # checkpoints; remove the partial temp directory now instead of at the next process's save
@@ -203,12 +216,15 @@ def atomic_write_text(path: str, text: str) -> None:
     _fsync_dir(d)
 
 
-def save_model_atomic(model, tokenizer, path: str, **save_kwargs) -> str:
+def save_model_atomic(model, tokenizer, path: str, what: str = "the model", advice: Optional[str] = None,
+                      **save_kwargs) -> str:
     """`model.save_pretrained(path)` (+ the tokenizer) that a kill -9 or ENOSPC at any moment
     leaves either the previous folder or none, never a half-written one: the folder is built as
     a temp sibling `.tmp-<name>-<pid>`, the marker (`fastgrpo_complete.json`: sha256 + size of
     every file) written last, fsynced, then renamed over `path` (the previous copy is swapped
-    out and deleted). Temp folders of dead writers are removed first. Returns `path`."""
+    out and deleted). Temp folders of dead writers are removed first. A full disk is one OSError
+    naming `path` and `what` ("the SFT model"; `advice`: what to do, fastgrpo.runs.folder.saving).
+    Returns `path`."""
     path = os.path.abspath(path)
     parent, name = os.path.dirname(path), os.path.basename(path)
     os.makedirs(parent, exist_ok=True)
@@ -225,12 +241,13 @@ def save_model_atomic(model, tokenizer, path: str, **save_kwargs) -> str:
     tmp = os.path.join(parent, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_kwargs.setdefault("safe_serialization", True)
-        model.save_pretrained(tmp, **save_kwargs)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_checksums(tmp, MODEL_MARKER)
-        _fsync_tree(tmp)
+        with saving(what, path, advice):
+            save_kwargs.setdefault("safe_serialization", True)
+            model.save_pretrained(tmp, **save_kwargs)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            write_checksums(tmp, MODEL_MARKER)
+            _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

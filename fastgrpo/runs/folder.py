@@ -19,13 +19,22 @@ files live inside the folder, and SIGINT / SIGTERM end it with a checkpoint.
   `discard_unused(out_dir)` removes the folder again when the command fails before the run.
 - `describe_os_error(e)`: the one line of an expected OS failure (no space, read-only file
   system, permission, a file where a folder belongs) found in `e` or its causes — safetensors
-  reports ENOSPC only in its message — or None.
+  reports ENOSPC only in its message — or None. `saving(what, path)` around a writer turns its
+  failure on a full disk, in whatever form (torch.save's C++ stream names no errno: the file
+  system is then found full), into one OSError naming `path` and `what` ("… while saving the
+  checkpoint of step 2").
 - `graceful_signals(request_stop)`: the first SIGINT / SIGTERM calls `request_stop(signum)`
   (the trainer finishes its step, checkpoints and raises `TrainingInterrupted`); a second one
   interrupts at once (`RunInterrupted`, a KeyboardInterrupt). Outside the GRPO loop
   (`request_stop=None`) the first signal interrupts at once: SFT, model loading and evaluation
   are redone on resume. `where()` says what the run had done by then, for the message (after
-  the final checkpoint it is not "before any GRPO step").
+  the final checkpoint it is not "before any GRPO step"). A process forked while the handler is
+  installed (a `fork` pool's worker) gets the signal's default action, never the run's stop.
+- `exit_deadline(on)`: a run that a signal stops ends within STOP_GRACE_S even when its cleanup
+  blocks (a child that does not exit, a thread never joined, a user reward that swallows the
+  interrupt): `stop_deadline(code, line)`, armed when the stop is decided, prints the line and
+  ends the process with `code`. Only the command line turns it on: a library caller's process is
+  never ended behind its back.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from typing import Callable, Iterator, Optional
@@ -235,7 +245,9 @@ _OS_HINTS = {
     errno.ENOTDIR: "a file stands where a folder belongs: give --out a new or existing run folder, not a file",
     errno.EEXIST: "a file stands where a folder belongs: give --out a new or existing run folder, not a file",
 }
-_RUST_OS = re.compile(r"Os \{ code: (\d+)")  # safetensors' (Rust) io::Error, e.g. code 28 = ENOSPC
+# safetensors' (Rust) io::Error, e.g. code 28 = ENOSPC: `Os { code: 28, … }` (Debug, older releases) or
+# `No space left on device (os error 28)` (Display, 0.4+: the form this regex missed, issue 34)
+_RUST_OS = re.compile(r"Os \{ code: (\d+)|\(os error (\d+)\)")
 
 
 def _os_errors(e: BaseException):
@@ -259,7 +271,7 @@ def describe_os_error(e: BaseException, out_dir: Optional[str] = None) -> Option
         code = getattr(err, "errno", None) if isinstance(err, OSError) else None
         if code is None:
             m = _RUST_OS.search(str(err))
-            code = int(m.group(1)) if m else None
+            code = int(m.group(1) or m.group(2)) if m else None
         if code not in _OS_HINTS:
             continue
         name = getattr(err, "filename", None) if isinstance(err, OSError) else None
@@ -268,8 +280,62 @@ def describe_os_error(e: BaseException, out_dir: Optional[str] = None) -> Option
             if full != root and not full.startswith(root + os.sep):
                 continue
         where = f"{name}: " if name else ""
-        return f"{where}{os.strerror(code)} — {_OS_HINTS[code]}"
+        what = getattr(err, "saving", None)  # raised by `saving`: what was being written there
+        doing = f" while saving {what}" if what else ""
+        return f"{where}{os.strerror(code)}{doing} — {getattr(err, 'advice', None) or _OS_HINTS[code]}"
     return None
+
+
+# Free bytes below which a write error that names no errno is taken for a full disk: torch.save to a
+# path writes through a C++ stream that reports ENOSPC as "basic_ios::clear: iostream error" /
+# "unexpected pos …", with no errno anywhere (fastgrpo.runs.checkpoint writes through Python files,
+# which keep it; a library's own writer — DeepSpeed's — may not).
+FULL_BYTES = 1 << 20
+
+
+def disk_full(path: str) -> bool:
+    """True when the file system holding `path` (or its nearest existing parent) has less than
+    FULL_BYTES free for this user."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BYTES
+
+
+@contextlib.contextmanager
+def saving(what: str, path: str, advice: Optional[str] = None) -> Iterator[None]:
+    """Writing `what` ("the checkpoint of step 12") to `path`: an expected OS failure inside (a full
+    disk, a quota, a read-only file system, in whatever form the writer reported it: an OSError, a
+    cause of another error, safetensors' message, torch's errno-less stream error on a full disk)
+    is raised again as one OSError naming `path` and `what` (its `saving`), from the original, so
+    `describe_os_error` makes the one line of it. `advice` replaces the hint of a full disk or
+    quota (an export has no --out and nothing to resume). Anything else passes unchanged. Enter it
+    inside the writer's cleanup: the partial files still hold their space when the disk is checked."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, OSError) and getattr(e, "saving", None):
+            raise
+        code = None
+        for err in _os_errors(e):
+            c = getattr(err, "errno", None) if isinstance(err, OSError) else None
+            if c is None:
+                m = _RUST_OS.search(str(err))
+                c = int(m.group(1) or m.group(2)) if m else None
+            if c in _OS_HINTS:
+                code = c
+                break
+        if code is None and disk_full(path):
+            code = errno.ENOSPC
+        if code is None:
+            raise
+        err = OSError(code, os.strerror(code), path)
+        err.saving, err.advice = what, advice if code in (errno.ENOSPC, errno.EDQUOT) else None
+        raise err from e
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -281,6 +347,50 @@ class RunInterrupted(KeyboardInterrupt):
         self.signame, self.where = signame, where
 
 
+# Seconds a run stopped by a signal may take to end once the stop is decided (its checkpoint, if
+# any, is written by then): cleanup that blocks longer is cut short (`stop_deadline`).
+STOP_GRACE_S = 30.0
+_DEADLINE = {"on": False, "armed": False}
+
+
+def exit_deadline(on: bool = True) -> None:
+    """Let `stop_deadline` end this process (the command line's, not a library caller's)."""
+    _DEADLINE["on"] = bool(on)
+
+
+def stop_deadline(code: int, line: str) -> None:
+    """The stop is decided (`line`: what the run prints, exit `code`): when exit_deadline is on,
+    a daemon timer ends the process with `code` after STOP_GRACE_S, saying `line` and that its
+    cleanup was cut short, unless it has exited by then. Armed once."""
+    if not _DEADLINE["on"] or _DEADLINE["armed"]:
+        return
+    _DEADLINE["armed"] = True
+
+    def fire():
+        try:
+            sys.stderr.write(f"fastgrpo: {line} (its cleanup did not end within {STOP_GRACE_S:g} s: the process "
+                             "ends now)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    t = threading.Timer(STOP_GRACE_S, fire)
+    t.daemon = True
+    t.start()
+
+
+def interrupted_line(signame: str, where: Optional[str]) -> str:
+    """The one line of a run a signal stopped at once (the CLI prints it, `stop_deadline` too)."""
+    return f"interrupted by {signame} {where or 'before any GRPO step finished; run the same command to resume'}"
+
+
+def stop_at_once(signum: int, where: Optional[str]) -> RunInterrupted:
+    """The RunInterrupted of a stop decided now, its deadline armed (`stop_deadline`)."""
+    name = signal.Signals(signum).name
+    stop_deadline(128 + int(signum), interrupted_line(name, where))
+    return RunInterrupted(name, where)
+
+
 @contextlib.contextmanager
 def graceful_signals(request_stop: Optional[Callable[[int], None]] = None,
                      where: Optional[Callable[[], str]] = None) -> Iterator[None]:
@@ -289,13 +399,18 @@ def graceful_signals(request_stop: Optional[Callable[[int], None]] = None,
         return
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     seen = {"n": 0}
+    owner = os.getpid()
 
     def handler(signum, frame):
+        if os.getpid() != owner:  # a forked child (a `fork` pool's worker): the default action, not our stop
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         seen["n"] += 1
         if request_stop is None or seen["n"] > 1:
             for s, h in previous.items():
                 signal.signal(s, h)
-            raise RunInterrupted(signal.Signals(signum).name, where() if where is not None else None)
+            raise stop_at_once(signum, where() if where is not None else None)
         request_stop(signum)
 
     for s in SIGNALS:
@@ -303,5 +418,17 @@ def graceful_signals(request_stop: Optional[Callable[[int], None]] = None,
     try:
         yield
     finally:
+        if where is not None:  # what the run had done when it let go: the message of a signal after it
+            with contextlib.suppress(Exception):
+                _LAST_WHERE["where"] = where()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+_LAST_WHERE = {"where": None}
+
+
+def last_where() -> Optional[str]:
+    """What the last run of this process said it had done when its signal handling ended (the
+    pipeline's "after the run finished …"), or None: for a signal that lands after it."""
+    return _LAST_WHERE["where"]

@@ -51,6 +51,13 @@ from fastgrpo.logs.metrics import MetricsLogger, Timers
 from fastgrpo.trainer.step_metrics import rollout_metrics
 from fastgrpo.trainer.resume import CheckpointMixin
 from fastgrpo.trainer.update import TrainingStopped, UpdateMixin
+from fastgrpo.runs.folder import stop_at_once, stop_deadline
+
+
+def _signame(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 def seed_everything(seed: int) -> None:
@@ -224,11 +231,19 @@ class Trainer(UpdateMixin, CheckpointMixin):
         r = self.cfg.rewards
         faults = getattr(self.reward_fns, "faults", None)
         with self.timers.phase("reward"):
-            per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
-                                                          error_score=r.error_score, on_error=r.on_error,
-                                                          step=self.step_num + 1, faults=faults)
-            process = getattr(self.reward_fns, "process", None)  # rewards.process: this batch's step scores → dense advantages
-            self._step_keep = process.attach_dense(problems, groups, self.tokenizer) if process and process.dense else None
+            # rewards.timeout=0: user and model rewards run in this process with no limit, where one that
+            # never returns would hold a stop requested meanwhile forever; a signal now stops at once
+            self._rewards_here = not r.timeout
+            try:
+                per_fn, total, dropped, errors = score_groups(problems, groups, self.reward_fns, r.functions, r.weights,
+                                                              error_score=r.error_score, on_error=r.on_error,
+                                                              step=self.step_num + 1, faults=faults)
+                # rewards.process: this batch's step scores → dense advantages
+                process = getattr(self.reward_fns, "process", None)
+                self._step_keep = (process.attach_dense(problems, groups, self.tokenizer) if process and process.dense
+                                   else None)
+            finally:
+                self._rewards_here = False
         errors = errors + (process.drain_errors() if process else [])
         for msg in errors:
             self.log(f"[fastgrpo] reward error: {msg}")
@@ -381,23 +396,51 @@ class Trainer(UpdateMixin, CheckpointMixin):
 
         last: Dict[str, float] = {}
         while self.step_num < self.cfg.steps:
-            last = self.step()
+            try:
+                last = self.step()
+            except TrainingStopped as e:
+                if self._stop_signal is None:
+                    raise
+                # the step a signal was waiting for stopped the run itself (a blow-up, a broken reward):
+                # no checkpoint of it, and the line says so instead of leaving the announced one unexplained
+                raise TrainingStopped(f"{e}; the {_signame(self._stop_signal)} received during step {self.step_num} "
+                                      f"asked for a checkpoint after it, which a stopped step does not get "
+                                      f"({self._last_checkpoint()})") from None
             if on_step is not None:
                 on_step(self.step_num, last)
             if self._stop_signal is not None:  # SIGINT / SIGTERM during the step: checkpoint, then stop
                 path = self.save()
-                raise TrainingInterrupted(self._stop_signal, self.step_num, path)
+                stop = TrainingInterrupted(self._stop_signal, self.step_num, path)
+                stop_deadline(stop.exit_code, str(stop))  # the CLI's: what follows (closing) cannot hold the stop
+                raise stop
         if self.cfg.checkpoint.at_end and self.step_num > 0:
             self.save()
         return last
 
+    def _last_checkpoint(self) -> str:
+        """"the last checkpoint is …" of this run's folder (listed, not verified: cheap enough for a
+        signal handler)."""
+        from fastgrpo.runs.checkpoint import list_checkpoints
+
+        found = list_checkpoints(self.cfg.logging.out_dir) if self.rank == 0 else []
+        return (f"the last checkpoint is {found[-1]}" if found
+                else "there is no checkpoint yet: a rerun starts the GRPO steps over")
+
     def request_stop(self, signum: int) -> None:
         """Finish the current step, checkpoint and raise TrainingInterrupted (a signal handler
-        calls this: fastgrpo.runs.folder.graceful_signals)."""
+        calls this: fastgrpo.runs.folder.graceful_signals). During rewards that run in this process
+        (rewards.timeout=0) it stops at once instead: such a call may never return, so the step
+        cannot be waited for (RunInterrupted, no checkpoint of the step)."""
+        if getattr(self, "_rewards_here", False):
+            self._rewards_here = False
+            raise stop_at_once(signum, f"during the rewards of GRPO step {self.step_num}: with rewards.timeout=0 they "
+                                       "run in the trainer process, where one that does not return cannot be waited "
+                                       f"for, so the step gets no checkpoint ({self._last_checkpoint()}); run the same "
+                                       "command to resume")
         self._stop_signal = signum
         # step() has already counted the step in progress; between steps the loop stops before the next one
         last = self.step_num if getattr(self, "_step_started", False) else self.step_num + 1
-        self.log(f"[fastgrpo] {__import__('signal').Signals(signum).name}: stopping after step {last} "
+        self.log(f"[fastgrpo] {_signame(signum)}: stopping after step {last} "
                  "with a checkpoint (send it again to stop at once)")
 
     def close(self) -> None:

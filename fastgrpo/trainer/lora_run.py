@@ -211,5 +211,7 @@ def export_merged(run: str, out: str, dtype: Optional[str] = None, overwrite: bo
     from fastgrpo.models.patch import unpatch_model
 
     unpatch_model(merged)
-    return save_model_atomic(merged, tok, out)
+    return save_model_atomic(merged, tok, out, what="the merged model",
+                             advice="free space (or give a folder on another disk) and run the same command; "
+                                    "nothing was left in the folder")
 

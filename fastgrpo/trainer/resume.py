@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
-
 from fastgrpo.runs import checkpoint as ckpt
 from fastgrpo.models import lora
 
@@ -36,7 +34,7 @@ class CheckpointMixin:
                 barrier()  # rank 0 has created the temp directory
                 if ds:
                     self.backend.save_checkpoint(os.path.join(tmp, "engine"))
-                torch.save(ckpt.rng_state(), os.path.join(tmp, f"rng-rank{self.rank}.pt"))
+                ckpt.torch_save(ckpt.rng_state(), os.path.join(tmp, f"rng-rank{self.rank}.pt"))
                 barrier()  # rank 0 fsyncs and renames only after every rank has written
 
             tmp = None

@@ -171,7 +171,8 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
         # temp folder + complete-marker + rename: a crash mid-save never leaves a folder that counts.
         # A LoRA policy saves its adapter alone, as its checkpoints do (PEFT's folder, the base named
         # in its adapter_config.json): what SFT trained, a valid model.path, and what a resume loads
-        save_model_atomic(checkpoint_model(model), tokenizer, os.path.join(out_dir, "sft", "model"))
+        save_model_atomic(checkpoint_model(model), tokenizer, os.path.join(out_dir, "sft", "model"),
+                          what="the SFT model")
     return last
 
 

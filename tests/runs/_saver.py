@@ -21,17 +21,17 @@ def die():
 
 def arm(mode):
     if mode == "state":
-        real = torch.save
+        real = ckpt.torch_save  # the checkpoint's one torch writer (through a Python file)
 
-        def half_save(obj, path, *a, **k):
+        def half_save(obj, path):
             if str(path).endswith("state.pt"):
                 with open(path, "wb") as f:
                     f.write(b"\x80" * 1000)
                     f.flush()
                 die()
-            return real(obj, path, *a, **k)
+            return real(obj, path)
 
-        ckpt.torch.save = half_save
+        ckpt.torch_save = half_save
     elif mode == "rename":
         ckpt._fsync_dir = lambda path: die()
     elif mode == "prune":

@@ -142,6 +142,105 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, capsys, m
     assert rc == 0 and "resumed from" in so and "at step 1" in so, so + err
 
 
+# how each writer reports a full disk (issue 34: the first two were rc 1 and a traceback): torch.save's
+# C++ stream names no errno (the disk is then found full), safetensors >= 0.4 ends its message with
+# "(os error 28)", a Python file under a quota raises EDQUOT
+NO_SPACE = {
+    "torch-stream": lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    "safetensors": lambda: RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    "quota": lambda: OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(NO_SPACE))
+def test_a_full_disk_in_a_checkpoint_names_it_and_keeps_the_last_one(tmp_path, monkeypatch, form):
+    from fastgrpo.runs import checkpoint as ckpt
+    from fastgrpo.runs import folder
+
+    out, model = str(tmp_path), torch.nn.Linear(2, 2)
+    first = ckpt.save_checkpoint(out, 1, model)
+
+    def full(obj, path):  # a writer that got part of the file out, then met the full disk
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise NO_SPACE[form]()
+
+    monkeypatch.setattr(ckpt, "torch_save", full)
+    monkeypatch.setattr(folder, "disk_full", lambda path: form == "torch-stream")
+    with pytest.raises(OSError) as e:
+        ckpt.save_checkpoint(out, 2, model)
+    line = describe_os_error(e.value, out)
+    code = errno.EDQUOT if form == "quota" else errno.ENOSPC
+    assert line.startswith(os.path.join(out, "checkpoints", "step-00000002") + ": " + os.strerror(code)), line
+    assert "while saving the checkpoint of step 2 — " in line, line
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["step-00000001"], "no partial step-2 folder is left"
+    assert ckpt.latest_checkpoint(out) == first and ckpt.verify_checkpoint(first) is None
+
+
+def test_a_full_disk_while_saving_the_sft_model_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    from transformers import PreTrainedModel
+
+    def full(self, path, **kwargs):  # safetensors' own words for ENOSPC, after a partial file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(b"\0" * 100)
+        raise NO_SPACE["safetensors"]()
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    rc, _, err = _cli(capsys, "sft", "--out", str(out), *_sets("sft_first=true", "data.num_heldout=0"))
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"fastgrpo: {out / 'sft' / 'model'}: No space left on device while saving the SFT "
+                               "model — the disk is full"), err
+    assert os.listdir(out / "sft") == ["metrics.jsonl"], "no sft/model and no temp folder is left"
+
+
+FILL_BEFORE_STEP_2 = r"""
+import os, sys
+from fastgrpo import cli
+from fastgrpo.runs import checkpoint as ckpt
+real = ckpt.save_checkpoint
+def fill_first(out_dir, step, *a, **k):
+    if step == 2:  # the second checkpoint meets a full disk
+        with open(os.path.join(sys.argv[1], "filler"), "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(bytes(4096))
+            except OSError:
+                pass
+    return real(out_dir, step, *a, **k)
+ckpt.save_checkpoint = fill_first
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_a_really_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """The writers' own reports of a full disk (torch, safetensors, Python files, TensorBoard's
+    thread), on a small tmpfs filled right before the second checkpoint; root with mount(2) only.
+    A process of its own: its files in the run folder are gone before the unmount."""
+    from fastgrpo.runs import checkpoint as ckpt
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(2) for a small tmpfs")
+    try:
+        out = disk / "run"
+        r = subprocess.run([sys.executable, "-c", FILL_BEFORE_STEP_2, str(disk), "train", "--out", str(out),
+                            *_sets("steps=2", "checkpoint.every=1", "data.num_heldout=0", "logging.tensorboard=true")],
+                           capture_output=True, text=True, timeout=300)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"{out / 'checkpoints' / 'step-00000002'}: No space left on device while saving the checkpoint of " \
+               "step 2 — the disk is full" in lines[0], r.stderr
+        assert ckpt.latest_checkpoint(str(out)).endswith("step-00000001")
+        assert sorted(os.listdir(out / "checkpoints")) == ["step-00000001"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_out_naming_a_file_is_refused(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -261,6 +360,28 @@ def test_the_stop_line_names_the_step_that_finishes_last(cfg_factory):
         assert "stopping after step 2 " in msgs[-1], msgs
     finally:
         t.close()
+
+
+def test_a_step_that_stops_the_run_after_a_signal_says_its_checkpoint_is_not_written(cfg_factory):
+    """issue 34: a run printed "stopping after step 5 with a checkpoint", then its step stopped the
+    run (exit 3) with none and no word why. The stop line now says what became of the checkpoint."""
+    from trainer_helpers import NoisyTask
+
+    from fastgrpo.trainer.grpo import Trainer
+
+    msgs = []
+    t = Trainer(cfg_factory("steps=3", "max_nan_skips=1", "checkpoint.every=1"), task=NoisyTask(nan=True),
+                log=msgs.append)  # every score NaN: the reward fails on every completion of step 1
+    try:
+        t.request_stop(signal.SIGTERM)
+        with pytest.raises(TrainingStopped, match=r"^stopped at step 1: reward 'accuracy' failed on every completion .*; "
+                                                  r"the SIGTERM received during step 1 asked for a checkpoint after it, "
+                                                  r"which a stopped step does not get \(there is no checkpoint yet"):
+            t.train()
+    finally:
+        t.close()
+    assert any("stopping after step 1 with a checkpoint" in m for m in msgs), msgs
+    assert not os.path.isdir(os.path.join(t.cfg.logging.out_dir, "checkpoints"))
 
 
 def test_a_signal_during_the_final_evaluation_says_the_run_is_trained(cfg_factory, monkeypatch):

@@ -101,6 +101,22 @@ def test_first_signal_requests_a_stop_second_interrupts():
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_forked_child_gets_the_default_action_not_the_runs_stop():
+    """A process forked while the run's handler is installed (a `fork` pool's worker) that gets the
+    run's signal (a process-group kill) dies of it; it never runs the trainer's stop in its copy."""
+    got = []
+    with graceful_signals(got.append):
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            finally:
+                os._exit(7)  # reached only when the signal was handled as the run's stop
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    assert got == []
+
+
 def test_sigterm_checkpoints_cleans_and_resumes(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "fastgrpo.cli", "train", "--out", str(out)]
@@ -130,6 +146,122 @@ def test_sigterm_checkpoints_cleans_and_resumes(tmp_path):
     assert f"resumed from" in r.stdout and f"at step {step}" in r.stdout
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     assert max(row["step"] for row in rows if "reward/mean" in row) == step + 1
+
+
+def _cli_sets(*extra):
+    skip = tuple(x.split("=", 1)[0] + "=" for x in extra)
+    return [x for item in [t for t in TINY if not t.startswith(skip)] + list(extra) for x in ("--set", item)]
+
+
+def _wait_for(path, p, seconds=180.0):
+    """Poll for the file `path` the subprocess `p` writes when it reaches the moment under test."""
+    deadline = time.time() + seconds
+    while not os.path.exists(path):
+        assert p.poll() is None, p.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+HANGING_REWARD = """
+import os, time
+
+def hang(completions, *args, **kwargs):
+    if os.path.isdir(os.environ["HANG_AFTER"]):  # step 1's checkpoint is written: step 2's rewards never return
+        open(os.environ["HANG_MARKER"], "w").close()
+        while True:
+            time.sleep(3600)
+    return [float(any(d in c for d in "1234")) for c in completions]
+"""
+
+
+def test_one_signal_stops_a_hanging_in_process_reward(tmp_path):
+    """issue 34: with rewards.timeout=0 a user reward runs in the trainer process; one that never
+    returns held the first SIGTERM ("stopping after step 2 …") forever. The first signal now
+    stops at once, says so, and keeps the last checkpoint (the step's own cannot be written)."""
+    out, marker = tmp_path / "run", tmp_path / "hanging"
+    (tmp_path / "hang_reward.py").write_text(HANGING_REWARD)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HANG_AFTER": str(out / "checkpoints" / "step-00000001"),
+           "HANG_MARKER": str(marker)}
+    p = subprocess.Popen([sys.executable, "-m", "fastgrpo.cli", "train", "--out", str(out),
+                          *_cli_sets("steps=3", "checkpoint.every=1", "data.num_heldout=0", "rewards.timeout=0",
+                                     f"rewards.functions=[{tmp_path / 'hang_reward.py'}:hang]", "rewards.weights=[1.0]")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(marker, p)
+        p.send_signal(signal.SIGTERM)
+        so, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("fastgrpo: interrupted by SIGTERM during the rewards of GRPO step 2: "
+                                                   "with rewards.timeout=0"), err
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step-00000001'}" in err, err
+    assert "stopping after step" not in so, "no checkpoint was promised that is not written"
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000001"]
+
+
+AFTER_THE_LAST_CHECKPOINT = """
+import atexit, sys, time
+from fastgrpo import cli, pipeline
+from fastgrpo.runs import folder
+from fastgrpo.trainer.grpo import Trainer
+
+marker, moment = sys.argv[1], sys.argv[2]
+
+def wait_for_the_signal(*args, **kwargs):
+    open(marker, "w").close()
+    while True:
+        time.sleep(3600)
+
+if moment == "final-evaluation":  # its cleanup then blocks and swallows every interrupt
+    folder.STOP_GRACE_S = 1.0
+    real, calls = pipeline.evaluate, []
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        return wait_for_the_signal() if len(calls) == 2 else real(*args, **kwargs)
+    def close(self):
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:
+                pass
+    pipeline.evaluate, Trainer.close = evaluate, close
+else:  # "exit": the command has returned, the interpreter is on its way out
+    atexit.register(wait_for_the_signal)
+sys.argv = ["fastgrpo"] + sys.argv[3:]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("moment, sig", [("final-evaluation", signal.SIGTERM), ("exit", signal.SIGINT)])
+def test_a_signal_after_the_final_checkpoint_ends_the_process(tmp_path, moment, sig):
+    """issue 34: SIGTERM right after the final checkpoint hung once (no line, alive 60 s later) and a
+    later one was ignored (rc 0). After the final checkpoint a signal stops the run at once with
+    128 + its number and a line saying the training is done, even when the cleanup then blocks
+    (cut after folder.STOP_GRACE_S); after the command returned it ends the process as the
+    signal's default action does (status -N here, 128 + N in a shell), never rc 0."""
+    out, marker = tmp_path / "run", tmp_path / "reached"
+    p = subprocess.Popen([sys.executable, "-c", AFTER_THE_LAST_CHECKPOINT, str(marker), moment, "train", "--out",
+                          str(out), *_cli_sets("steps=1", "checkpoint.at_end=true")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_for(marker, p)
+        p.send_signal(sig)
+        so, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    from fastgrpo.runs.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(str(out)).endswith("step-00000001")
+    if moment == "exit":
+        assert p.returncode == -sig and "held-out accuracy:" in so, (p.returncode, err)
+        return
+    assert p.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1] == (
+        "fastgrpo: interrupted by SIGTERM after the last GRPO step 1 (checkpoint written), during the final "
+        "evaluation; run the same command to finish the run (its cleanup did not end within 1 s: the process ends now)"), err
 
 
 def test_a_second_run_on_a_locked_folder_is_refused_with_the_holder(cfg_factory):

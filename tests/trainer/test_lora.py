@@ -153,6 +153,34 @@ def test_model_path_takes_an_adapter_folder_and_export_merges(cfg_factory, tmp_p
     assert main(["export", "--merge", cfg.logging.out_dir, str(out), "--overwrite"]) == 0
 
 
+def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """issue 34: a full disk (here a quota) while the merged model is written: one line naming the
+    folder and what was written, exit code 2, no partial folder."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    from fastgrpo.cli import main
+    from fastgrpo.config import load_config
+
+    model, _ = build_model(load_config(None, ["model.lora.rank=2"]).model)
+    adapter = lora.save_adapter(model, str(tmp_path / "adapter"))
+
+    def full(self, path, **kwargs):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write("{")
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "merged"
+    assert main(["export", "--merge", adapter, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"fastgrpo: {out}: {os.strerror(errno.EDQUOT)} while saving the merged model — free space"), err
+    assert sorted(os.listdir(tmp_path)) == ["adapter"], "no merged folder and no temp folder is left"
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     from fastgrpo.cli import main
 
@@ -195,6 +223,46 @@ def test_adapter_of_another_architecture_is_refused(tmp_path):
     open(os.path.join(folder, "adapter_config.json"), "w").write(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"model.path=.*does not fit its base .*wide.*against a \[64, "):
         check_lora_run(load_config(None, [f"model.path={folder}"]))
+
+
+def test_an_adapter_naming_another_base_of_the_same_shapes_is_refused_at_load(tmp_path, capsys):
+    """issue 34: an adapter whose adapter_config.json names another base of the same shapes (two tiny
+    models, seeds 0 and 1) trained silently. fastgrpo records a sample of the base's weights with
+    the adapter (fastgrpo_base.json): another base, or the same folder with other weights, stops at
+    load with one line naming both."""
+    import shutil
+    from pathlib import Path
+
+    from fastgrpo.cli import main
+    from fastgrpo.config import load_config
+    from fastgrpo.models.tiny import save_tiny
+
+    bases = {}
+    for seed in (0, 1):
+        m, tok = build_model(load_config(None, [f"model.seed={seed}"]).model)
+        bases[seed] = save_tiny(str(tmp_path / f"base{seed}"), m, tok)
+    trained, _ = build_model(load_config(None, [f"model.path={bases[0]}", "model.lora.rank=2"]).model)
+    folder = lora.save_adapter(trained, str(tmp_path / "ad"))
+    assert lora.is_lora(build_model(load_config(None, [f"model.path={folder}"]).model)[0])  # its own base: loads
+    config = os.path.join(folder, "adapter_config.json")
+    cfg = json.loads(Path(config).read_text())
+    cfg["base_model_name_or_path"] = bases[1]
+    Path(config).write_text(json.dumps(cfg))
+    capsys.readouterr()  # the progress bars of the loads above
+    rc = main(["train", "--out", str(tmp_path / "run"), *[x for s in (f"model.path={folder}", "steps=1",
+               "rollout.engine=torch", "logging.progress=false", "data.num_heldout=0") for x in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"the adapter was trained on the base {os.path.abspath(bases[0])!r}" in err, err
+    assert f"names the base {os.path.abspath(bases[1])!r}, another model of the same shapes" in err, err
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    # the base it names is the right folder, but its weights were replaced since
+    cfg["base_model_name_or_path"] = bases[0]
+    Path(config).write_text(json.dumps(cfg))
+    shutil.rmtree(bases[0])
+    shutil.copytree(bases[1], bases[0])
+    with pytest.raises(ValueError, match=r"trained on the base .*base0', whose weights have changed since \(\d+ of "):
+        build_model(load_config(None, [f"model.path={folder}"]).model)
 
 
 def test_adapter_sync_with_an_engine_that_cannot_load_adapters_is_refused(monkeypatch):
