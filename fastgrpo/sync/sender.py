@@ -4,7 +4,8 @@ Follows verl's / slime's bucketed colocated update: the parameters (HF names, ca
 dtype, tied weights once) are planned into buckets (bucket.py); bucket k+1 is packed on a helper
 thread into the other buffer while the engine loads bucket k (copies release the GIL, so the two
 overlap on CPU as on GPU). `rpc(method, *args)` reaches the engine's worker extension
-(worker_ext.py); the engine resets its prefix cache after `sync` returns.
+(worker_ext.py); the engine resets its prefix cache after `sync` returns. The buffers are
+attached once and their names removed right after (shm.py: nothing outlives a killed process).
 
 `sync_per_parameter` is the baseline the bucketed path is measured against: one engine call per
 parameter, as TRL's colocated vLLM sync does.
@@ -76,7 +77,16 @@ class BucketedSender:
         plan = self.plan(named)
         tensors: Dict[str, torch.Tensor] = dict(named)
         if self.transport.ensure(max(bucket_nbytes(b) for b in plan)):
-            self.rpc("fastgrpo_attach", self.transport.payload())
+            try:
+                self.rpc("fastgrpo_attach", self.transport.payload())
+            except BaseException:
+                self.transport.close()  # the next sync allocates and attaches again
+                raise
+            # every engine worker has mapped the buffers: their names go (shared memory: nothing
+            # left in /dev/shm however this process or the engine's ends; shm.py)
+            unlink = getattr(self.transport, "unlink", None)
+            if unlink is not None:
+                unlink()
         bufs = self.transport.buffers
         sync_dev = _device_sync(bufs[0])
         try:

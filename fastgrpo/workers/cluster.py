@@ -8,6 +8,12 @@ joined cluster offers is checked against what the workers need before any worker
 run that cannot be placed fails at once naming the resource instead of waiting forever. A local
 Ray's session folder lives in the run's temp folder (`ray_temp_dir`), so nothing of it outlives
 the run.
+
+Token authentication (Ray >= 2.5x): `ray start --head` turns it on where a token exists (Ray's
+own `ray.init()` writes ~/.ray/auth_token), and Ray presents a token only to a cluster it finds by
+itself, never to an explicit address. A head on this machine is joined with this machine's token
+(`_join_auth`), as Ray joins one it finds; a head elsewhere needs RAY_AUTH_MODE=token and that
+head's token here, which the refusal says.
 """
 from __future__ import annotations
 
@@ -54,6 +60,42 @@ def worker_resources(cfg) -> Dict[str, float]:
     return {"num_cpus": float(cfg.rollout.worker_threads), "num_gpus": float(gpus)}
 
 
+def _on_this_machine(address: str) -> bool:
+    """Whether a host:port names this machine (loopback, or an address one of its interfaces has)."""
+    import socket
+
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = socket.gethostbyname(host)
+        with socket.socket() as s:
+            s.bind((ip, 0))  # only an address of this machine binds
+        return True
+    except OSError:
+        return False
+
+
+def _join_auth(address: str) -> bool:
+    """Turn on Ray's token authentication for joining `address` when the head is on this machine,
+    RAY_AUTH_MODE is not set and this machine has a token: what `ray start --head` did with the
+    same token (without it the join fails after ~30 s as "Failed to connect"). Returns whether
+    the join presents a token."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    if address == "auto" or not _on_this_machine(address):
+        return False  # "auto": Ray's own lookup does this; elsewhere: the user's call (the refusal says how)
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+            return False
+        os.environ["RAY_AUTH_MODE"] = "token"  # read by this process's Ray core and its children
+        Config.initialize("")
+        return True
+    except Exception:  # noqa: BLE001 — a Ray without token authentication: nothing to turn on
+        return False
+
+
 def start_ray(cfg, log=print) -> None:
     """`ray.init` for this run (no-op when Ray is already up in this process, e.g. a test's)."""
     import ray
@@ -64,12 +106,16 @@ def start_ray(cfg, log=print) -> None:
         c = cfg.cluster
         kw = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
         if c.address:
+            token = _join_auth(c.address)
             try:
                 ray.init(address=c.address, **kw)
             except Exception as e:  # noqa: BLE001 — any failure to join: one line naming the address
+                hint = "" if token else (" (or its head asks for a token: Ray's default where ~/.ray/auth_token "
+                                         "exists; set RAY_AUTH_MODE=token here, with that head's token in "
+                                         "~/.ray/auth_token or RAY_AUTH_TOKEN)")
                 raise RuntimeError(f"cluster.address={c.address!r}: could not join the Ray cluster "
                                    f"({(str(e).strip().splitlines() or [type(e).__name__])[0]}); is `ray start "
-                                   "--head` running there?") from None
+                                   f"--head` running there?{hint}") from None
         else:
             cpus = c.num_cpus or int(cfg.rollout.workers * need["num_cpus"])
             gpus = c.num_gpus or (int(cfg.rollout.workers * need["num_gpus"] + 0.999) if need["num_gpus"] else 0)

@@ -21,9 +21,13 @@ version v + 1 is broadcast (swaps at fixed points), and the trainer takes groups
 order — two runs with one seed train on the same groups in the same order.
 
 Faults: a worker that dies is restarted, the group re-formed, the current weights broadcast, and
-every prompt it held is resubmitted (same admission index and seed). The state saved with a
-checkpoint holds the buffered groups with their versions and the admitted-but-unreturned
-prompts, so a resumed run trains every admitted prompt exactly once.
+every prompt it held is resubmitted (same admission index and seed). Deterministic mode keeps its
+promise across a worker's death: a prompt is resubmitted under the weights of the version it was
+admitted at — the orchestrator keeps that version's weights (a CPU copy, taken before the
+trainer's update when calls admitted under it still run, dropped at the sync) — so a run whose
+worker died trains the same groups, metrics and weights as one whose worker did not. The state
+saved with a checkpoint holds the buffered groups with their versions and the admitted-but-
+unreturned prompts, so a resumed run trains every admitted prompt exactly once.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class Orchestrator:
         self.wait_trainer = 0.0     # seconds the trainer waited for groups (cumulative, reset by metrics())
         self.sync_s = 0.0
         self._syncing = False
+        self._held = None  # deterministic: (version, [(name, CPU copy, device)]) of the weights its calls run under
         self.started = False
         # sync.overlap: the broadcast of a sync runs on this thread while the trainer goes on; the
         # trainer joins it before its weights change again (join()). Deterministic mode keeps the
@@ -101,7 +106,12 @@ class Orchestrator:
     def join(self, step: int) -> None:
         """Wait for the broadcast the last sync started (sync.overlap): the trainer calls this
         before its weights change again. A worker that died in it is recovered (the weights are
-        still that version's); any other failure (verification, timeout) raises here."""
+        still that version's); any other failure (verification, timeout) raises here.
+        Deterministic mode, called before the update (not inside a sync): keeps a copy of this
+        version's weights while calls admitted under it run, for a worker that dies in them."""
+        if self.det and not self._syncing and (self.calls or self.queue) and \
+                (self._held is None or self._held[0] != self.version):
+            self._held = (self.version, [(n, t.detach().to("cpu", copy=True), t.device) for n, t in self.weights()])
         if self._inflight is None:
             return
         t0 = time.perf_counter()
@@ -196,7 +206,10 @@ class Orchestrator:
             self._idle[w] = res["idle_s"]
 
     def _recover(self, w: int, step: int) -> None:
-        """Restart worker `w`; its calls go back to the queue (same indices, seeds, versions)."""
+        """Restart worker `w`; its calls go back to the queue (same indices, seeds, versions), and
+        every worker gets the weights of the version they run under: inside a sync the trainer's
+        (already the next version's), in deterministic mode after the update the copy `join` kept
+        of this version's, else the trainer's (still this version's)."""
         for ref, (ww, idxs) in list(self.calls.items()):
             if ww == w:
                 del self.calls[ref]
@@ -207,8 +220,13 @@ class Orchestrator:
         self._drain()  # a broadcast in flight on the old group ends (it fails on the dead member)
         self.pool.restart(w, step)
         self.pool.form_group(step)
-        # inside a sync the trainer's weights are already the next version's
-        self.pool.broadcast(self.weights(), self.version + (1 if self._syncing else 0), step)
+        if self._syncing:
+            named, version = self.weights(), self.version + 1
+        elif self._held is not None and self._held[0] == self.version:
+            named, version = [(n, t.to(dev)) for n, t, dev in self._held[1]], self.version
+        else:
+            named, version = self.weights(), self.version
+        self.pool.broadcast(named, version, step)
         self._dispatch()
 
     # ------------------------------------------------------------------ the trainer's side
@@ -258,11 +276,12 @@ class Orchestrator:
 
     def sync(self, step: int, changed: bool) -> None:
         """Publish the trainer's next version to every worker, then admit what it allows."""
+        if self.det:  # logical clock: every call admitted under this version finishes under it
+            while self.calls:  # (a worker dying in one: its prompts run again under the kept weights, _recover)
+                self._collect(step, block=True)
+        self._held = None
         self._syncing = True
         try:
-            if self.det:  # logical clock: every call admitted under this version finishes under it
-                while self.calls:
-                    self._collect(step, block=True)
             self.join(step)  # the previous sync's broadcast, if it is still in flight
             t0 = time.perf_counter()
             version = self.version + 1
@@ -311,6 +330,7 @@ class Orchestrator:
         """Restore the buffer and the unreturned prompts (resubmitted at the next take) and
         broadcast the trainer's weights (the checkpoint's) as the saved version."""
         self._drain()
+        self._held = None
         for ref in list(self.calls):
             del self.calls[ref]
         self.outstanding = [0] * self.pool.n

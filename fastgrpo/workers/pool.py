@@ -5,7 +5,10 @@ Every RPC waits at most `sync.timeout` seconds and every failure raises `WorkerE
 line naming the worker (index and pid), the step and the operation — a worker that cannot start
 fails here, at start, naming why (its constructor's error, or the resources nobody offers).
 A dead worker is replaced by a fresh actor; the broadcast group is formed again with it (a gloo
-group cannot take a new member) and the current weights are broadcast to everyone.
+group cannot take a new member) and the current weights are broadcast to everyone. Ray places the
+fresh actor on any node with room (a worker whose node left the cluster starts on another one);
+when no node left could hold the workers the run stops at once, naming the node that left,
+instead of waiting for a node that may never come.
 """
 from __future__ import annotations
 
@@ -69,11 +72,19 @@ class WorkerPool:
     def _new_actor(self, i: int):
         import ray
 
+        if self.channel is not None:
+            # rank 0's segment lost its name once every worker had mapped it: a new worker needs a new one
+            self.channel.close()
+            self.channel = None
+
         cls = ray.remote(concurrency_groups={"gen": 1, "sync": 2}, max_restarts=0)(RolloutWorker)
         cls = cls.options(**worker_resources(self.cfg))
         return cls.remote(self.cfg, i, self.build_engine, self.prompt_len)
 
     def start(self, step: int = 0) -> None:
+        from fastgrpo.sync.shm import sweep
+
+        sweep()  # segments of this node's dead runs (a killed trainer's, a crashed worker's) go first
         for i in range(self.n):
             self.actors[i] = self._new_actor(i)
         for i in range(self.n):
@@ -81,33 +92,94 @@ class WorkerPool:
             self.pids[i], self.engines[i], self.nodes[i] = info["pid"], info["engine"], info.get("node")
         self.log(f"[fastgrpo] {self.n} rollout worker(s) up: pids {self.pids}, engines {self.engines}")
 
-    def _start_wait(self, i: int, step: int) -> Dict:
+    def _start_wait(self, i: int, step: int, why: Optional[str] = None) -> Dict:
+        """Wait for worker i's `ready`; `why`: what the failure of a restart says first (the death)."""
         import ray
 
         ref = self.actors[i].ready.options(concurrency_group="sync").remote()
         # a start loads torch and the model (vLLM: its engine too): minutes on a busy machine
         limit = max(self.timeout, START_S)
+        deadline = time.monotonic() + limit
         try:
-            return ray.get(ref, timeout=limit)
+            while True:
+                # a worker nobody can place fails now (a node left), not after the whole allowance
+                short = self.unplaceable()
+                if short is not None:
+                    raise WorkerError(f"{why or f'rollout worker {i} cannot start (step {step})'}: {short}")
+                try:
+                    return ray.get(ref, timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+                except ray.exceptions.GetTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
         except ray.exceptions.GetTimeoutError:
+            self._kill(i)
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
             raise WorkerError(f"rollout worker {i} did not start within {limit:g} s (step {step}): it needs "
                               f"{worker_resources(self.cfg)} and the cluster has {free} free; if that is enough it is "
                               "still loading: raise sync.timeout") from None
+        except WorkerError:
+            self._kill(i)  # never placed: its close() would wait for nothing
+            raise
         except Exception as e:  # noqa: BLE001 — the actor's constructor raised, or it died
+            self._kill(i)
             raise WorkerError(f"rollout worker {i} could not start (step {step}): {_first_line(e)}") from None
 
-    def restart(self, i: int, step: int) -> None:
+    def _kill(self, i: int) -> None:
         import ray
 
-        try:
-            ray.kill(self.actors[i], no_restart=True)
-        except Exception:  # noqa: BLE001 — already gone
-            pass
+        if self.actors[i] is not None:
+            try:
+                ray.kill(self.actors[i], no_restart=True)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+            self.actors[i] = None
+
+    def unplaceable(self) -> Optional[str]:
+        """None when the live Ray nodes have room for every worker (each node counted by how many
+        workers its CPUs / GPUs hold), else one phrase saying what they offer."""
+        import ray
+
+        need = worker_resources(self.cfg)
+        slots, offers = 0, []
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            res = node.get("Resources") or {}
+            fit = [int(res.get(key, 0.0) / need[k] + 1e-9) for k, key in (("num_cpus", "CPU"), ("num_gpus", "GPU"))
+                   if need[k] > 0]
+            slots += min(fit) if fit else 1
+            gpu = f" + {res.get('GPU', 0.0):g} GPU" if need["num_gpus"] else ""
+            offers.append(f"{res.get('CPU', 0.0):g} CPU{gpu}")
+        if slots >= self.n:
+            return None
+        each = f"{need['num_cpus']:g} CPU" + (f" + {need['num_gpus']:g} GPU" if need["num_gpus"] else "")
+        return (f"the live Ray nodes ({', '.join(offers) or 'none'}) hold {slots} of the {self.n} worker(s) of {each} "
+                "each; add a node or lower rollout.workers / rollout.worker_threads")
+
+    def node_left(self, node_id: Optional[str]) -> Optional[str]:
+        """'Ray node <id> (<ip>)' when `node_id` is no longer a live node of the cluster, else None."""
+        import ray
+
+        if not node_id:
+            return None
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                if node.get("Alive"):
+                    return None
+                return f"Ray node {node_id[:12]} ({node.get('NodeManagerAddress', '?')})"
+        return f"Ray node {node_id[:12]}"
+
+    def restart(self, i: int, step: int) -> None:
+        self._kill(i)
         self.restarts += 1
-        self.log(f"[fastgrpo] {self.name(i)} died at step {step}: restarting it (restart {self.restarts})")
+        left = self.node_left(self.nodes[i])
+        died = f"{self.name(i)} died at step {step}" + (f" with its {left}, which left the cluster" if left else "")
+        short = self.unplaceable()
+        if short is not None:  # nowhere to go: stop now, naming the node (nothing waits for a node that may not come)
+            raise WorkerError(f"{died}; it cannot restart: {short}")
+        self.log(f"[fastgrpo] {died}: restarting it{' on another node' if left else ''} (restart {self.restarts})")
         self.actors[i] = self._new_actor(i)
-        info = self._start_wait(i, step)
+        info = self._start_wait(i, step, why=f"{died}; it cannot restart")
         self.pids[i], self.nodes[i] = info["pid"], info.get("node")
 
     def close(self) -> None:
@@ -154,9 +226,12 @@ class WorkerPool:
     def alive(self) -> List[bool]:
         import ray
 
-        refs = [a.ready.options(concurrency_group="sync").remote() for a in self.actors]
+        refs = [None if a is None else a.ready.options(concurrency_group="sync").remote() for a in self.actors]
         ok = []
         for r in refs:
+            if r is None:  # a worker that could not restart
+                ok.append(False)
+                continue
             try:
                 ray.get(r, timeout=min(self.timeout, 30.0))
                 ok.append(True)
@@ -204,7 +279,11 @@ class WorkerPool:
         if self.transport == "shm":
             self.group = None
             return
-        host = "127.0.0.1" if not self.cfg.cluster.address else ray.util.get_node_ip_address()
+        # loopback serves workers on this node only: a worker on another node (a joined cluster, or a
+        # Ray this process was connected to before the run) reaches rank 0 at this node's address
+        here = ray.get_runtime_context().get_node_id()
+        away = self.cfg.cluster.address or any(node != here for node in self.nodes)
+        host = ray.util.get_node_ip_address() if away else "127.0.0.1"
         world = self.n + 1
         device = self._device()
         store, port = bc.BroadcastGroup.serve(host, world, self.timeout)
@@ -268,6 +347,8 @@ class WorkerPool:
         # every worker is done with the segment before anything is raised: a recovery packs into it again
         ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
         results = self.get(refs, range(self.n), what, step)
+        # every worker has mapped the segment: its name goes, so no death (ours or theirs) can leave it in /dev/shm
+        self.channel.unlink()
         for i, (got_version, sums) in enumerate(results):
             bc.verify(expected, sums, f"{self.name(i)} at step {step}", version, got_version)
         return time.perf_counter() - t0

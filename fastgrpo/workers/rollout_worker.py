@@ -187,9 +187,23 @@ class RolloutWorker:
             self._arrived.notify_all()
         return version
 
-    def inject_fault(self, kind: str, arg: int = 0) -> None:
-        """Tests: `corrupt_bucket` flips the bytes of bucket `arg` of the next broadcast."""
-        self._faults[kind] = arg
+    def inject_fault(self, kind: str, arg: int = 0, marker: Optional[str] = None) -> None:
+        """Tests: `corrupt_bucket` flips the bytes of bucket `arg` of the next broadcast;
+        `exit_in_call` ends this process as a kill -9 would, inside generate call `arg` (the
+        orchestrator's call id), as soon as the file `marker` exists (at once without one)."""
+        self._faults[kind] = arg if marker is None else (arg, marker)
+
+    def _exit_in_call(self, call_id: int) -> None:
+        fault = self._faults.get("exit_in_call")
+        if fault is None:
+            return
+        target, marker = fault if isinstance(fault, tuple) else (fault, None)
+        if target != call_id:
+            return
+        deadline = time.monotonic() + float(self.cfg.sync.timeout)
+        while marker is not None and not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a bounded poll for the test's marker
+        os._exit(1)
 
     def close(self) -> None:
         """Release the engine (vLLM's engine process) before the actor is killed."""
@@ -288,6 +302,7 @@ class RolloutWorker:
             self._load_staged()
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: generate before any weights arrived")
+        self._exit_in_call(call_id)
         version = self.version  # the version of the call's first tokens (later ones may be newer: token_versions)
         runner = getattr(self.engine, "episodes", None)
         if runner is not None and problems is not None:

@@ -206,6 +206,10 @@ class _RecordingLLM:
 
     def __init__(self, log):
         self.log = log
+        self.llm_engine = self  # no request ever left running (the engine drops leftovers before a reset)
+
+    def has_unfinished_requests(self):
+        return False
 
     def sleep(self, level):
         self.log.append(("sleep", level))
@@ -215,6 +219,7 @@ class _RecordingLLM:
 
     def reset_prefix_cache(self):
         self.log.append(("reset_prefix_cache",))
+        return True
 
     def generate(self, prompts, params, use_tqdm=False):
         self.log.append(("generate",))

@@ -126,6 +126,49 @@ def test_deterministic_mode_reproduces_metrics_and_weights(ray_local, tmp_path):
         assert torch.equal(wa[n], wb[n]), n
 
 
+def test_deterministic_mode_holds_across_a_worker_killed_while_generating(ray_local, tmp_path):
+    """Issue 34: a worker that dies inside a generate call of prompts admitted under version 1,
+    found dead only after the trainer's update of step 2 (in the drain before the sync of version
+    2), has those prompts resubmitted under version 1's weights, which the orchestrator kept: the
+    run trains what the uninterrupted run trains (they were sampled under version 2's before)."""
+    runs = []
+    for k, kill in enumerate((False, True)):
+        cfg = async_cfg(tmp_path / str(k), "rollout.deterministic=true", "rollout.max_staleness=1", "steps=3")
+        tr = _trainer(cfg)
+        marker, restarted = tmp_path / f"go{k}", []
+        try:
+            if kill:
+                # the first call the sync of step 1 admits (under version 1): B·(η + 1) calls came before it
+                call = cfg.rollout.prompts_per_step * (cfg.rollout.max_staleness + 1) + 1
+                pool = tr.orchestrator.pool
+                ray_local.get(pool.actors[0].inject_fault.remote("exit_in_call", call, str(marker)), timeout=60)
+                hook, restart = tr._before_weights_change, pool.restart
+
+                def before():  # the update of step 2: the worker, held inside that call, exits now
+                    hook()
+                    if tr.step_num == 2:
+                        marker.touch()
+
+                def spy(i, step):
+                    restarted.append((step, tr.orchestrator.version))
+                    restart(i, step)
+
+                tr._before_weights_change, pool.restart = before, spy
+            logs = [{n: v for n, v in tr.step().items() if not n.startswith(NOISY + ("async/worker_restarts",))}
+                    for _ in range(cfg.steps)]
+            weights = {n: p.detach().clone() for n, p in tr.backend.module.named_parameters()}
+        finally:
+            marker.touch()  # a worker still held in the call goes on
+            tr.close()
+        runs.append((logs, weights, list(tr.trained_indices), restarted))
+    (la, wa, ia, _), (lb, wb, ib, rb) = runs
+    assert rb == [(2, 1)], rb  # restarted once, at step 2, before version 2 was published
+    assert ia == ib
+    assert la == lb
+    for n in wa:
+        assert torch.equal(wa[n], wb[n]), n
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_sync_that_fails_verification_stops_the_run_naming_worker_and_step(ray_local, tmp_path, overlap):
     """In line (sync.overlap=false) the sync of step 2 fails at once; overlapped, the trainer learns

