@@ -92,6 +92,7 @@ class TurnCap:
 
     def __init__(self, inner, tokens: int):
         self.inner, self.tokens = inner, tokens
+        self.turn_tokens = tokens  # the continuous loop's TurnBatcher honours the same cap
 
     def _sample(self, prompt_ids, sampling, max_new_tokens, seeds):
         cap = min(max_new_tokens, self.tokens)
@@ -146,6 +147,25 @@ class Recorder:
                     self.events.append((t0, time.perf_counter(), "tool", [ep.index], 0.0))
 
         runner._decode, runner._env_step = decode, env_step
+        contexts: Dict[int, tuple] = {}
+        submit, step_ = runner._submit, runner._step
+
+        def _submit(batcher, ep, sampling):
+            contexts[ep.index] = tuple(ep.context())
+            return submit(batcher, ep, sampling)
+
+        def _step(batcher):  # one decode step of the running batch (the continuous loop)
+            keys = batcher.running() + [r.key for r in batcher.queue]
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = step_(batcher)
+            t1 = time.perf_counter()
+            if outs:
+                self.calls.append((t0, t1, [(contexts[k], tuple(o.token_ids)) for k, o in outs]))
+            if keys:
+                self.events.append((t0, t1, "decode", keys, time.process_time() - c0))
+            return outs
+
+        runner._submit, runner._step = _submit, _step
 
     def take(self):
         calls, events, self.calls, self.events = self.calls, self.events, [], []
@@ -199,12 +219,20 @@ def load(smoke: bool, threads: int, model_path: str = ""):
     return TorchEngine(model, tok, max_batch_size=256, num_threads=threads), tok, prompts
 
 
+CONT, SYNC, ASYNC = 0, -1, -100   # row keys besides k >= 1 (grouped engine calls)
+
+
 def build_runner(engine, tok, k: int, budget: int, env: str):
     from fastgrpo.config import RolloutConfig
     from fastgrpo.trainer.build import build_episode_runner, load_episode_parts
 
-    rcfg = RolloutConfig(env=env, max_turns=TURNS, max_new_tokens=budget, episode_groups=k, tool_timeout=60.0)
-    return build_episode_runner(rcfg, engine, tok, load_episode_parts(rcfg, tok))
+    batching = {CONT: "continuous", SYNC: "continuous"}.get(k, "groups")
+    rcfg = RolloutConfig(env=env, max_turns=TURNS, max_new_tokens=budget, episode_groups=max(k, 1), tool_timeout=60.0,
+                         episode_batching=batching)
+    runner = build_episode_runner(rcfg, engine, tok, load_episode_parts(rcfg, tok))
+    if k == SYNC:
+        runner.s.batching = "sync"  # the continuous engine, turn-synchronous (a benchmark row, not a setting)
+    return runner
 
 
 def problems_for(prompts: List[str], tok, latency: float):
@@ -270,7 +298,7 @@ class AsyncRow:
     """The runner inside one `RolloutWorker` actor on Ray (rollout.mode=async's worker, one
     thread), a generate call timed from the driver (the weights: version 0, never updated)."""
 
-    def __init__(self, a, k: int, env: str):
+    def __init__(self, a, env: str):
         import functools
 
         import ray
@@ -287,7 +315,7 @@ class AsyncRow:
         self.cfg = load_config(None, [model, "model.dtype=float32", "rollout.mode=async", "rollout.workers=1",
                                       "rollout.worker_threads=1", "rollout.engine=torch", f"rollout.env={env}",
                                       f"rollout.max_turns={TURNS}", f"rollout.max_new_tokens={a.budget}",
-                                      f"rollout.episode_groups={k}", "rollout.tool_timeout=60",
+                                      "rollout.tool_timeout=60",
                                       "cluster.object_store_mb=100"])
         start_ray(self.cfg, log=lambda m: None)
         build = functools.partial(worker_engine, turn_tokens=a.turn_tokens)
@@ -341,14 +369,15 @@ def measure(a) -> Dict:
     prompts = [prompts[i % len(prompts)] for i in range(a.prompts)]
     env = f"{os.path.abspath(__file__)}:LatencyEnv"
     rec = Recorder(engine)
-    runners = {k: build_runner(TurnCap(engine, a.turn_tokens), tok, k, a.budget, env) for k in a.groups}
+    keys = list(a.groups) + ([SYNC, CONT] if a.continuous else [])
+    runners = {k: build_runner(TurnCap(engine, a.turn_tokens), tok, k, a.budget, env) for k in keys}
     for r in runners.values():
         rec.wrap(r)
-    rows = list(a.groups)
-    if a.async_groups:  # key -K: the async worker's row with rollout.episode_groups=K
-        runners[-a.async_groups] = AsyncRow(a, a.async_groups, env)
-        rows.append(-a.async_groups)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=a.budget, seed=a.seed)
+    rows = list(keys)
+    if a.async_rows:  # the async worker's row (its runner as a run builds it: continuous batching)
+        runners[ASYNC] = AsyncRow(a, env)
+        rows.append(ASYNC)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=a.budget, seed=a.seed, stop=tuple(a.stop))
     n_eps = a.prompts * a.group
     plan = [(t, k) for t in a.latencies for k in rows]
     runs: Dict[tuple, List[Dict]] = {key: [] for key in plan}
@@ -359,7 +388,7 @@ def measure(a) -> Dict:
         for rep in range(a.warmup + a.repeats):
             for t, k in (plan if rep % 2 == 0 else plan[::-1]):  # alternate the order: no row always first
                 probs, ids = problems_for(prompts, tok, t)
-                src = runners[k] if k < 0 else rec
+                src = runners[k] if k == ASYNC else rec
                 src.take()
                 t0 = time.perf_counter()
                 groups = runners[k].run(probs, ids, a.group, sampling)
@@ -387,7 +416,14 @@ def measure(a) -> Dict:
 
 
 def label(k: int) -> str:
-    return "k=1 turn-sync" if k == 1 else (f"k={k} in flight" if k > 0 else f"async worker k={-k}")
+    named = {1: "k=1 turn-sync", SYNC: "turn-sync, cache kept", CONT: "continuous", ASYNC: "async worker"}
+    return named.get(k, f"k={k} in flight")
+
+
+def rank(k: int) -> int:
+    """Row order: the grouped rows by k, then the continuous engine's turn-sync and continuous rows,
+    the async worker last."""
+    return k if k >= 1 else {SYNC: 1 << 20, CONT: (1 << 20) + 1, ASYNC: (1 << 20) + 2}[k]
 
 
 def summarize(m: Dict) -> Dict[tuple, Dict]:
@@ -410,6 +446,10 @@ def summarize(m: Dict) -> Dict[tuple, Dict]:
         if base and k != 1:
             sp = [b["wall"] / r["wall"] for b, r in zip(base, rs)]
             s.update(speedup=statistics.median(sp), speedup_p20=_q(sp, 0.2), speedup_p80=_q(sp, 0.8))
+        sync = runs.get((t, SYNC))
+        if sync and k in (CONT, ASYNC):  # like for like: the same engine (its caches kept), turn-synchronous
+            sp = [b["wall"] / r["wall"] for b, r in zip(sync, rs)]
+            s.update(vs_sync=statistics.median(sp), vs_sync_p20=_q(sp, 0.2), vs_sync_p80=_q(sp, 0.8))
         zero = runs.get((0.0, k))
         if t > 0 and zero:
             hid = [1 - (r["wall"] - z["wall"]) / (TOOL_ROUNDS * t) for z, r in zip(zero, rs)]
@@ -424,7 +464,8 @@ def summarize(m: Dict) -> Dict[tuple, Dict]:
             if full:
                 s["d_turns"] = [statistics.median(x[j] for x in full) for j in range(TURNS)]
             s["bound_issue"] = (d + t) / max(d, t, 1e-9)
-            s["bound_3turn"] = (TURNS * d + TOOL_ROUNDS * t) / max(TURNS * d, d * (1 + 2 / k) + TOOL_ROUNDS * t)
+            if k >= 1:
+                s["bound_3turn"] = (TURNS * d + TOOL_ROUNDS * t) / max(TURNS * d, d * (1 + 2 / k) + TOOL_ROUNDS * t)
         out[(t, k)] = s
     return out
 
@@ -434,12 +475,14 @@ def report(m: Dict, summ: Dict, a) -> None:
 
     bench = Bench("tools")
     shape = f"N={m['n_eps']} ({a.prompts}x{a.group}),T={a.turn_tokens},turns={TURNS},threads={a.threads}"
-    order = lambda kv: (kv[0][0], kv[0][1] if kv[0][1] > 0 else 1 << 20)  # noqa: E731 — the async row last
+    order = lambda kv: (kv[0][0], rank(kv[0][1]))  # noqa: E731
     for (t, k), s in sorted(summ.items(), key=order):
         w = s["wall"]
         extra = {"latency_s": t, "episodes_per_s": s["eps"], "eps_p20": s["eps_p20"], "eps_p80": s["eps_p80"],
                  "speedup_vs_k1": s.get("speedup", 1.0 if k == 1 else ""), "speedup_p20": s.get("speedup_p20", ""),
-                 "speedup_p80": s.get("speedup_p80", ""), "hidden": s.get("hidden", ""),
+                 "speedup_p80": s.get("speedup_p80", ""), "speedup_vs_sync_cached": s.get("vs_sync", ""),
+                 "vs_sync_p20": s.get("vs_sync_p20", ""), "vs_sync_p80": s.get("vs_sync_p80", ""),
+                 "hidden": s.get("hidden", ""),
                  "hidden_p20": s.get("hidden_p20", ""), "hidden_p80": s.get("hidden_p80", ""),
                  "hidden_tl": s.get("hidden_tl", ""), "hidden_tl_p20": s.get("hidden_tl_p20", ""),
                  "hidden_tl_p80": s.get("hidden_tl_p80", ""), "loop_eps": s["loop_eps"],
@@ -480,10 +523,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=4, help="distinct prompts of a call")
     ap.add_argument("--group", type=int, default=4, help="episodes per prompt (G)")
     ap.add_argument("--turn-tokens", type=int, default=8, help="sampled tokens per turn (the per-turn cap)")
+    ap.add_argument("--stop", nargs="*", default=[], metavar="S",
+                    help="stop strings: a turn ends at the first (its length then varies, up to --turn-tokens)")
     ap.add_argument("--budget", type=int, default=512, help="rollout.max_new_tokens (the episode budget)")
     ap.add_argument("--threads", type=int, default=1, help="the engine's intra-op threads")
-    ap.add_argument("--async", dest="async_groups", type=int, nargs="?", const=2, default=0, metavar="K",
-                    help="add the RolloutWorker-on-Ray row, rollout.episode_groups=K (default 2)")
+    ap.add_argument("--async", dest="async_rows", action="store_true",
+                    help="add the RolloutWorker-on-Ray row (its runner as a run builds it)")
+    ap.add_argument("--no-continuous", dest="continuous", action="store_false",
+                    help="leave out the continuous engine's rows (turn-sync with caches kept; continuous)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="repeats run first and not counted")
     ap.add_argument("--seed", type=int, default=1234)

@@ -1,6 +1,8 @@
-"""benchmarks/bench_tools.py runs (the tiny model, t = 0 / 0.05 s, k = 1 / 2): every episode takes
-its 3 turns, the token check runs on all of them (0 mismatches, else the script fails), and the
-table has a row per (k, t) with its episodes/s and the hidden share beside it."""
+"""benchmarks/bench_tools.py runs (the tiny model, t = 0 / 0.05 s; k = 1 / 2, the continuous engine
+turn-synchronous and continuous): every episode takes its 3 turns, the token check runs on all of
+them (0 mismatches, else the script fails), and the table has a row per (row, t) with its
+episodes/s and the hidden share beside it, the continuous row its ratio to the turn-synchronous
+one with the cache kept (the like-for-like comparison)."""
 import csv
 
 from benchmarks import bench_tools as B
@@ -10,10 +12,11 @@ def test_smoke_run_checks_every_episode_and_writes_the_table(tmp_path, capsys):
     out, timeline = tmp_path / "tools.csv", tmp_path / "timeline.csv"
     assert B.main(["--smoke", "--csv", str(out), "--timeline", str(timeline)]) == 0
     printed = capsys.readouterr().out
-    assert "token identity: 0 mismatched episodes of 16 " in printed and "turns {3: 16}" in printed
+    assert "token identity: 0 mismatched episodes of 32 " in printed and "turns {3: 32}" in printed
     rows = list(csv.DictReader(open(out)))
-    assert [(r["case"], float(r["latency_s"])) for r in rows] == [
-        ("k=1 turn-sync", 0.0), ("k=2 in flight", 0.0), ("k=1 turn-sync", 0.05), ("k=2 in flight", 0.05)]
+    cases = ["k=1 turn-sync", "k=2 in flight", "turn-sync, cache kept", "continuous"]
+    assert [(r["case"], float(r["latency_s"])) for r in rows] == [(c, t) for t in (0.0, 0.05) for c in cases]
+    assert all((r["speedup_vs_sync_cached"] != "") == (r["case"] == "continuous") for r in rows)
     for r in rows:
         assert float(r["episodes_per_s"]) > 0 and float(r["engine_s"]) > 0
     assert all(r["hidden"] != "" for r in rows if float(r["latency_s"]) > 0)

@@ -67,8 +67,10 @@ _CHECKS = {
     "rollout.prompts_per_call": _NONNEG,
     "rollout.max_turns": ((lambda v: v >= 1), "an integer >= 1 (model turns per episode)"),
     "rollout.history": _choice("auto", "keep", "fork"), "rollout.episode_groups": _POS_INT,
+    "rollout.episode_batching": _choice("auto", "continuous", "groups"),
     "rollout.tool_timeout": _POS, "rollout.tool_output_chars": _POS_INT, "rollout.tool_parallel": _POS_INT,
     "rollout.tool_parallel_per_episode": _POS_INT, "rollout.tool_errors": _choice("continue", "stop"),
+    "rollout.turn_rewards": _choice("outcome", "dense"), "rollout.turn_reward_weight": _NONNEG,
     "cluster.num_cpus": _NONNEG, "cluster.num_gpus": _NONNEG, "cluster.object_store_mb": ((lambda v: v >= 64), "an integer >= 64 (MiB)"),
     "cluster.gpus_per_worker": ((lambda v: v == -1 or v >= 0), "-1 (auto) or a number >= 0"),
     "guard.max_weight_growth": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"), "guard.grad_spike": ((lambda v: v == 0 or v > 1), "0 (off) or a factor > 1"),
@@ -209,6 +211,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     r = cfg.rollout
     if any(not x for x in r.stop):
         _bad("rollout.stop", r.stop, "non-empty stop strings")
+    if r.turn_rewards == "dense" and not r.env:
+        _bad("rollout.turn_rewards", r.turn_rewards, "outcome unless rollout.env is set (per-turn rewards are what an "
+             "environment's step returns)")
     if r.thinking_budget and r.thinking_budget + r.answer_budget > r.max_new_tokens:
         _bad("rollout.thinking_budget", r.thinking_budget, f"thinking_budget + answer_budget ({r.answer_budget}) <= "
              f"rollout.max_new_tokens={r.max_new_tokens} (the interrupt's tokens count too; the loss normalises by that cap)")

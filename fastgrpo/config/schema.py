@@ -70,7 +70,7 @@ class RolloutConfig:
     workers: int = 1  # async: rollout worker actors, one engine each (the built-in engine)
     max_staleness: int = 1  # async: η, how many policy versions behind a trained sample may be (0 = lock-step); enforced by admission, never by dropping
     inflight: str = "wait"  # async: weights that arrive during a generate call: wait (they load at the next call) | keep (loaded between two decode steps, the tokens so far keep their cache) | abort (loaded there, the tokens so far re-prefilled); either engine (vLLM: not with lora.sync=adapter)
-    deterministic: bool = False  # async: logical clock (swaps at fixed points, results in submission order, per-prompt seeds): two runs, one seed, same weights
+    deterministic: bool = False  # async: logical clock (swaps at fixed points, results in submission order, per-prompt seeds): two runs, one seed, same weights (a dead worker's prompts rerun under their admission version)
     worker_threads: int = 1  # async: torch threads of each CPU rollout worker (its Ray CPU request too)
     prompts_per_call: int = 0  # async: prompts per generate call of a worker (0 = prompts_per_step / workers; deterministic: 1)
     # multi-turn episodes (fastgrpo/episodes/, fastgrpo/rollout/episodes.py): on when tools or env is set;
@@ -80,11 +80,14 @@ class RolloutConfig:
     max_turns: int = 4  # model turns per episode
     history: str = "auto"  # a chat template that rewrites earlier turns (Qwen3's <think> stripping): keep (train the ledger as sampled) | fork (a new sample from there); auto: refuse such a template
     episode_groups: int = 2  # episodes in flight: k groups, one decoding while the others' tools run (1 = turn-synchronous; benchmarks/bench_tools.py: k = 2 best at 135M on CPU)
+    episode_batching: str = "auto"  # auto | continuous | groups: continuous = every live episode's turn in one running decode batch, joining as its tools answer, its KV cache kept between turns (the built-in engine on Qwen2 / Qwen3 / Llama); groups = engine calls of episode_groups groups (vLLM); auto = continuous where the engine can
     tool_timeout: float = 10.0  # wall-clock seconds of one tool call or environment reset / step; then its process group is killed
     tool_output_chars: int = 2000  # characters of one tool result the model reads (the rest is cut, with a note)
     tool_parallel: int = 4  # tool calls running at once over all episodes (one warm worker each)
     tool_parallel_per_episode: int = 2  # tool calls of one episode running at once
     tool_errors: str = "continue"  # a tool error, timeout or unparsable call: continue (back to the model as text) | stop (the episode ends)
+    turn_rewards: str = "outcome"  # an environment's per-turn rewards: outcome (their sum is the `env` reward, scored with the final answer) | dense (also per-token: each turn's reward normalised over its group, credited to that turn's and earlier turns' tokens)
+    turn_reward_weight: float = 1.0  # turn_rewards=dense: weight of the per-turn advantages added to each sampled token's
 
     @property
     def episodes(self) -> bool:

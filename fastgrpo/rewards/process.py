@@ -378,6 +378,36 @@ class ProcessReward:
         return np.array(varies, dtype=bool)
 
 
+def attach_turn_advantages(groups: Sequence, weight: float = 1.0, credit: str = "to_go") -> np.ndarray:
+    """rollout.turn_rewards=dense: an environment's per-turn rewards (`Ledger.turn_rewards`) as
+    step scores of the existing per-token path. Each episode's turn rewards are normalised over
+    every turn reward of its group (`step_advantages`, credit "to_go": a turn gets its own
+    advantage plus every later turn's) and spread over the sampled ids of their turns
+    (`Completion.turn_slots`, set by the episode runner; a turn without a reward takes the next
+    rewarded turn's, ids after the last reward and every non-sampled id 0), times `weight`, added
+    to `step_advantages` (a process reward's, when both are on). The outcome advantage is
+    untouched. Returns [B] bool: the groups whose turn rewards vary."""
+    from fastgrpo.advantages import step_advantages
+
+    G = len(groups[0]) if groups else 1
+    comps = [c for g in groups for c in g]
+    scores = []
+    for c in comps:
+        led = getattr(c, "episode", None)
+        scores.append([r for _, r in led.turn_rewards] if led is not None and led.turn_rewards else None)
+    adv = step_advantages(scores, G, credit=credit)
+    for c, a in zip(comps, adv):
+        for part in [c] + list(getattr(c, "forks", ()) or ()):
+            slots = getattr(part, "turn_slots", None)
+            if a is None or slots is None:
+                continue
+            dense = np.where(slots >= 0, a[np.maximum(slots, 0)], 0.0).astype(np.float32) * np.float32(weight)
+            prev = getattr(part, "step_advantages", None)
+            part.step_advantages = dense if prev is None else prev + dense
+    return np.array([any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G])
+                     for i in range(len(groups))], dtype=bool)
+
+
 def token_advantages(outcome: float, completion):
     """What the packer gets for one completion: its outcome advantage (a float), plus its dense
     step advantages when `ProcessReward.attach_dense` set them."""

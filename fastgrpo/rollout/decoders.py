@@ -239,7 +239,8 @@ class LeanStepper:
         streamed = mod.streamed_kernel and _streamed(model.model.layers[0].mlp.gate_proj.weight, mod.streamed_weight)
         return mod if streamed else None
 
-    def __init__(self, model, cache, mask: torch.Tensor, max_new_tokens: int, native: bool = True):
+    def __init__(self, model, cache, mask: torch.Tensor, max_new_tokens: int, native: bool = True,
+                 weights_from: Optional["LeanStepper"] = None):
         cfg, base = model.config, model.model
         attn0 = base.layers[0].self_attn
         self.head_dim = attn0.head_dim
@@ -260,7 +261,14 @@ class LeanStepper:
         # concatenated copies); the Python step below concatenates q/k/v and gate/up once per
         # rollout call (so the shared trainer module's latest weights are used)
         self.native = self.native_module(model, mask.device) if native else None
-        self.reload_weights(model)
+        if weights_from is not None and weights_from.native is self.native:
+            # a stepper over the same weights (fastgrpo.rollout.continuous re-lays its batch out
+            # at each admission): its prepared copies serve, instead of concatenating them again
+            for name in self._WEIGHT_ATTRS:
+                if hasattr(weights_from, name):
+                    setattr(self, name, getattr(weights_from, name))
+        else:
+            self.reload_weights(model)
         shape = (B, self.n_kv, size, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=mask.device) for _ in base.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
@@ -285,6 +293,9 @@ class LeanStepper:
         sin = emb.sin() * self.rope_scale
         self.cos_t = (emb.cos() * self.rope_scale).to(dtype)
         self.sin_t = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
+
+    # what reload_weights prepares (shared by `weights_from`)
+    _WEIGHT_ATTRS = ("layers", "_flat", "_streamed", "_norm_w", "_lm_streamed", "_lm_wt", "_lm_b")
 
     def reload_weights(self, model) -> None:
         """Take the weights of `model` (the one this stepper was built on, updated in place) into the

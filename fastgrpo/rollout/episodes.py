@@ -56,6 +56,7 @@ class EpisodeSettings:
     tool_errors: str = "continue"        # continue (the error goes back as text) | stop (the episode ends)
     env_role: str = "user"               # role of an environment's observation message
     tool_role: str = "tool"              # role of a tool result message
+    batching: str = "auto"               # auto | continuous | groups | sync (see the module docstring)
 
 
 @dataclass
@@ -104,6 +105,18 @@ class EpisodeRunner:
         self._stop_id = end if isinstance(end, int) and end >= 0 and end != unk else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fastgrpo-env")
         self._n_threads = 8
+        if settings.batching not in ("auto", "continuous", "groups", "sync"):
+            raise ValueError(f"episode batching {settings.batching!r}: expected auto, continuous, groups or sync")
+        if settings.batching in ("continuous", "sync") and not self._continuous():
+            self.close()
+            raise ValueError(f"rollout.episode_batching={settings.batching}: the engine cannot batch turns "
+                             "continuously (the built-in engine on a Qwen2 / Qwen3 / Llama model with decoder auto or "
+                             "lean can); use auto or groups")
+
+    def _continuous(self) -> bool:
+        from fastgrpo.rollout.continuous import TurnBatcher
+
+        return TurnBatcher.supports(getattr(self.engine, "inner", self.engine))  # inner: the benchmark's wrapper
 
     def metrics(self) -> Dict[str, float]:
         """`episode/tool_leaks`: processes of finished tool calls still alive (0 unless a tool escaped
@@ -126,7 +139,14 @@ class EpisodeRunner:
             if self.env_spec is not None:
                 self._env_threads(len(eps))
                 self._start_envs(eps)
-            self._loop(eps, sampling)
+            batcher = self._batcher(sampling)
+            if batcher is None:
+                self._loop(eps, sampling)
+            else:
+                try:
+                    self._loop_continuous(eps, sampling, batcher)
+                finally:
+                    batcher.close()
         finally:
             for ep in eps:
                 if ep.env is not None:
@@ -160,6 +180,54 @@ class EpisodeRunner:
                 self._collect(waiting, ready, block=True)
             if self.hook is not None:
                 self.hook()  # an async worker may load staged weights here, between two turns
+
+    def _batcher(self, sampling: SamplingConfig):
+        """The engine's TurnBatcher (fastgrpo.rollout.continuous) where this run batches
+        continuously, else None (the grouped loop)."""
+        if self.s.batching == "groups" or not self._continuous():
+            return None
+        from fastgrpo.rollout.continuous import TurnBatcher
+
+        engine = getattr(self.engine, "inner", self.engine)
+        return TurnBatcher(engine, self._turn_sampling(sampling), version=self.version,
+                           turn_tokens=getattr(self.engine, "turn_tokens", None))
+
+    def _loop_continuous(self, eps: List[_Episode], sampling: SamplingConfig, batcher) -> None:
+        """Every live episode's turn in one running batch: a turn that ends leaves it and its tools
+        start; an episode whose tools answered joins it again at the next admission (its kept
+        cache serves the ledger so far). The engine waits only when every live episode is in a
+        tool."""
+        by_key = {ep.index: ep for ep in eps}
+        waiting: Dict[concurrent.futures.Future, _Episode] = {}
+        inflight = getattr(self.engine, "inflight", None)
+        for ep in eps:
+            if ep.ledger.stop is None:
+                self._submit(batcher, ep, sampling)
+        while batcher.busy or waiting:
+            if waiting and (self.s.batching != "sync" or not batcher.busy):
+                back: List[_Episode] = []
+                self._collect(waiting, back, block=not batcher.busy)
+                while self.s.batching == "sync" and waiting:  # turn-synchronous: every episode's tools first
+                    self._collect(waiting, back, block=True)
+                for ep in back:
+                    self._submit(batcher, ep, sampling)
+            for key, out in self._step(batcher):
+                ep = by_key[key]
+                fut = self._after_turn(ep, out)
+                if fut is not None:
+                    waiting[fut] = ep
+                else:
+                    batcher.forget(key)
+            if self.hook is not None and self.hook() is not None:  # new weights loaded between two steps
+                batcher.weights_changed(getattr(inflight, "mode", "keep"))
+
+    def _submit(self, batcher, ep: _Episode, sampling: SamplingConfig) -> None:
+        seed = None if sampling.seed is None else sampling.seed + 7919 * ep.index + ep.ledger.turns
+        batcher.submit(ep.index, ep.context(), self.s.max_tokens - ep.used, seed)
+
+    def _step(self, batcher):
+        """One step of the batcher (a method of its own: the benchmark times it)."""
+        return batcher.step()
 
     def _collect(self, waiting: Dict[concurrent.futures.Future, _Episode], ready: List[_Episode], block: bool) -> None:
         """Move the episodes whose tools answered from `waiting` to the end of `ready` (those that go
@@ -349,24 +417,49 @@ class EpisodeRunner:
             raise RuntimeError(f"episode {ep.index} did not end")
         led.check()
         starts = ep.sample_start + [len(led.segments)]
+        slots = self._turn_slots(led)
         samples = []
         for a, b in zip(starts, starts[1:]):
             seg = led.segments[a:b]
             while seg and seg[-1].kind != "sampled":  # trailing environment ids train nothing
                 seg = seg[:-1]
             sub = Ledger(segments=seg)
-            samples.append((seg[0].ids, sub))
-        (prompt, first), forks = samples[0], samples[1:]
+            n = sum(len(s.ids) for s in seg[1:])
+            samples.append((seg[0].ids, sub, None if slots is None else slots[a + 1][:n]))
+        (prompt, first, first_slots), forks = samples[0], samples[1:]
         # the caller's own prompt: None, so a trainer packs its cached ids (and may share them in a group)
-        c = self._completion(first, ep, None if prompt == ep.given else prompt)
-        c.forks = [self._completion(s, ep, p) for p, s in forks]
+        c = self._completion(first, ep, None if prompt == ep.given else prompt, first_slots)
+        c.forks = [self._completion(s, ep, p, sl) for p, s, sl in forks]
         c.episode = led
         return c
 
-    def _completion(self, sub: Ledger, ep: _Episode, prompt: List[int]) -> Completion:
+    @staticmethod
+    def _turn_slots(led: Ledger):
+        """None without per-turn rewards; else {segment k: the turn reward each id from segment k on
+        belongs to} — the first reward at or after the id (the turn that earned it and the turns
+        without a reward before it), -1 on ids that are not sampled or come after the last reward
+        (rollout.turn_rewards=dense reads them: fastgrpo.rewards.process.attach_turn_advantages)."""
+        import numpy as np
+
+        if not led.turn_rewards:
+            return None
+        ends = np.array([e for e, _ in led.turn_rewards], dtype=np.int64)  # positions in ids(1)
+        mask = np.array(led.mask(1), dtype=bool)
+        slot = np.searchsorted(ends, np.arange(len(mask)), side="left")
+        slot = np.where(mask & (slot < len(ends)), slot, -1).astype(np.int32)
+        out, pos = {}, 0
+        for k in range(1, len(led.segments) + 1):
+            out[k] = slot[pos:]
+            if k < len(led.segments):
+                pos += len(led.segments[k].ids)
+        return out
+
+    def _completion(self, sub: Ledger, ep: _Episode, prompt: List[int], turn_slots=None) -> Completion:
         ids, mask, lps, vers = sub.ids(1), sub.mask(1), sub.logprobs(1), sub.versions(1)
         finish = "length" if ep.ledger.stop in ("length", "budget") else "stop"
         c = Completion(ids, lps, finish, text=ep.last_text, sampled_mask=mask,
                        policy_version=vers[0] if vers else None, token_versions=vers)
         c.prompt_ids = prompt
+        if turn_slots is not None:
+            c.turn_slots = turn_slots  # [len(ids)]: the per-turn reward of each id (-1: none)
         return c

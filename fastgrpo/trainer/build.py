@@ -110,7 +110,8 @@ def build_episode_runner(rcfg: RolloutConfig, engine, tokenizer, parts: EpisodeP
     from fastgrpo.rollout.episodes import EpisodeRunner, EpisodeSettings
 
     settings = EpisodeSettings(max_turns=rcfg.max_turns, max_tokens=rcfg.max_new_tokens, history=parts.history,
-                               groups=rcfg.episode_groups, tool_errors=rcfg.tool_errors)
+                               groups=rcfg.episode_groups, tool_errors=rcfg.tool_errors,
+                               batching=rcfg.episode_batching)
     executor = None
     if parts.tools:
         executor = ToolExecutor(parts.tools, timeout=rcfg.tool_timeout, max_output_chars=rcfg.tool_output_chars,

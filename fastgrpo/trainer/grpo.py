@@ -48,6 +48,7 @@ from fastgrpo.trainer.build import (build_curriculum, build_model, build_optimiz
                                     check_sync_sampling, model_context_len, sampling_config)
 from fastgrpo.trainer.collectives import all_gather, all_reduce_metrics, shard
 from fastgrpo.logs.metrics import MetricsLogger, Timers
+from fastgrpo.rewards.process import attach_turn_advantages
 from fastgrpo.trainer.step_metrics import rollout_metrics
 from fastgrpo.trainer.resume import CheckpointMixin
 from fastgrpo.trainer.update import TrainingStopped, UpdateMixin
@@ -242,6 +243,10 @@ class Trainer(UpdateMixin, CheckpointMixin):
                 process = getattr(self.reward_fns, "process", None)
                 self._step_keep = (process.attach_dense(problems, groups, self.tokenizer) if process and process.dense
                                    else None)
+                ro = self.cfg.rollout
+                if ro.episodes and ro.turn_rewards == "dense":  # an environment's per-turn rewards → dense advantages
+                    varies = attach_turn_advantages(groups, ro.turn_reward_weight)
+                    self._step_keep = varies if self._step_keep is None else self._step_keep | varies
             finally:
                 self._rewards_here = False
         errors = errors + (process.drain_errors() if process else [])

@@ -21,7 +21,9 @@ ENV = "class Env:\n    def reset(self, row):\n        self.n = 0\n" \
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=64, stop=tuple("0123456789"), seed=11)
 
 
-def _run(engine, tok, env_path):
+def _run(engine, tok, env_path, batching="auto"):
+    """(prompt ids, groups, {(context ids, sampled ids)}: what the engine returned for which context:
+    around `_sample` (grouped calls) and around the runner's turn batcher (continuous)."""
     from fastgrpo.episodes.env import load_env
 
     seen = []
@@ -35,14 +37,32 @@ def _run(engine, tok, env_path):
     engine._sample = recording
     probs = [Problem(i, p, "") for i, p in enumerate(["1+2=", "12*34-5=", "(7+8)*9="])]
     ids = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in probs]
-    runner = EpisodeRunner(engine, tok, EpisodeSettings(max_turns=3, max_tokens=64, groups=2),
+    runner = EpisodeRunner(engine, tok, EpisodeSettings(max_turns=3, max_tokens=64, groups=2, batching=batching),
                            env_spec=load_env(env_path), env_timeout=30)
+    record_batcher(runner, seen)
     try:
         groups = runner.run(probs, ids, 2, SAMPLING)
     finally:
         runner.close()
         engine._sample = inner
     return ids, groups, set(seen)
+
+
+def record_batcher(runner, seen):
+    """Record (context, sampled ids) of every turn the runner's TurnBatcher serves into `seen`."""
+    contexts = {}
+    submit, step = runner._submit, runner._step
+
+    def _submit(batcher, ep, sampling):
+        contexts[ep.index] = tuple(ep.context())
+        return submit(batcher, ep, sampling)
+
+    def _step(batcher):
+        outs = step(batcher)
+        seen.extend((contexts[k], tuple(o.token_ids)) for k, o in outs)
+        return outs
+
+    runner._submit, runner._step = _submit, _step
 
 
 def _check(model, ids, groups, seen, name):
@@ -77,11 +97,26 @@ def env_path(tmp_path_factory):
     return f"{path}:Env"
 
 
-def test_builtin_engine_episodes_match_the_oracle(env_path):
+@pytest.mark.parametrize("batching", ["continuous", "groups"])
+def test_builtin_engine_episodes_match_the_oracle(env_path, batching):
+    """Both loops of the built-in engine: turns in one running batch with each episode's cache kept
+    between its turns (continuous), and grouped engine calls that re-prefill the ledger."""
     model, tok = build_tiny_model("qwen2", seed=3, head_dim=32, num_attention_heads=2)
     engine = make_engine("torch", model, tok)
-    ids, groups, seen = _run(engine, tok, env_path)
-    _check(model, ids, groups, seen, "torch")
+    stats = []
+    if batching == "continuous":
+        from fastgrpo.rollout import continuous
+
+        real = continuous.TurnBatcher.close
+        continuous.TurnBatcher.close = lambda self: (stats.append(dict(self.stats)), real(self))
+    try:
+        ids, groups, seen = _run(engine, tok, env_path, batching)
+    finally:
+        if batching == "continuous":
+            continuous.TurnBatcher.close = real
+    _check(model, ids, groups, seen, f"torch-{batching}")
+    if batching == "continuous":  # later turns prefilled only what the environment appended
+        assert stats and stats[0]["reused_ids"] > stats[0]["prefill_ids"] > 0, stats
 
 
 @pytest.mark.vllm

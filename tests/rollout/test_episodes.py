@@ -298,6 +298,10 @@ def test_bad_episode_config_is_refused_at_load(tmp_path):
             load_episode_parts(cfg.rollout, tok)
     with pytest.raises(ValueError, match=r"rollout.max_turns=0"):
         load_config(None, ["rollout.max_turns=0"])
+    with pytest.raises(ValueError, match=r"rollout.turn_rewards='?dense'?.*unless rollout.env is set"):
+        load_config(None, ["rollout.tools=[calculator]", "rollout.turn_rewards=dense"])
+    with pytest.raises(ValueError, match=r"rollout.turn_rewards"):
+        load_config(None, ["rollout.turn_rewards=per_token"])
 
 
 def test_a_step_reports_episode_metrics_and_samples_turn_by_turn(tmp_path):
@@ -325,3 +329,76 @@ def test_a_step_reports_episode_metrics_and_samples_turn_by_turn(tmp_path):
     assert kinds == ["sampled", "bridge", "environment", "bridge", "sampled"], kinds
     env = [t["text"] for t in rows[0]["episode"] if t["kind"] == "environment"][0]
     assert "unknown tool" in env.lower() or "nope" in env  # the error went back to the model as text
+
+
+TURN_ENV = ("class Env:\n    def reset(self, row):\n        self.n = 0\n"
+            "    def step(self, text):\n        self.n += 1\n"
+            "        reward = None if self.n == 2 else float(text.count('good'))\n"
+            "        return ('go on', reward, self.n >= 3)\n")
+
+
+@pytest.mark.parametrize("mode", ["outcome", "dense"])
+def test_per_turn_rewards_reach_the_tokens_of_their_turns(tmp_path, mode):
+    """rollout.turn_rewards=dense: an environment's per-turn rewards (turns 1 and 3; turn 2 gives
+    none) go through the per-token advantage path: every sampled id of turn 1 carries turn 1's
+    advantage plus turn 3's (credit to go), turns 2 and 3 turn 3's, environment ids 0, each reward
+    normalised over its group; the packed batch carries outcome + that on every id. outcome: no
+    per-token term, the `env` reward is their sum."""
+    import itertools
+
+    from fastgrpo.advantages import step_advantages
+
+    (tmp_path / "turn_env.py").write_text(TURN_ENV)
+    said = itertools.count()
+
+    def script(text, turn):  # every call says something else: the group's turn rewards differ
+        k = next(said)
+        return ("good " * (k % 3) + "answer 408", True)
+
+    trainer, _ = _trainer(tmp_path, bpe_tokenizer(), script, "rollout.tools=[]",
+                          f"rollout.env={tmp_path / 'turn_env.py'}:Env", f"rollout.turn_rewards={mode}",
+                          "rollout.turn_reward_weight=0.5", "rewards.functions=[env]", "rewards.weights=[1.0]")
+    try:
+        probs = trainer.task.train
+        groups = trainer._rollout(probs)
+        per_fn, total, dropped = trainer._score(probs, groups)
+        _, adv, keep, _ = trainer._advantages(probs, per_fn, total, dropped)
+        batches = trainer._pack(probs, groups, adv, keep)
+    finally:
+        trainer.close()
+    comps = [c for g in groups for c in g]
+    rewards = [[r for _, r in c.episode.turn_rewards] for c in comps]
+    assert all(len(r) == 2 for r in rewards) and len({tuple(r) for r in rewards}) > 1, rewards
+    assert total.reshape(-1).tolist() == [sum(r) for r in rewards]  # the env reward: their sum
+    if mode == "outcome":
+        assert all(getattr(c, "step_advantages", None) is None for c in comps)
+        return
+    want = step_advantages(rewards, 2, credit="to_go")
+    assert any(a is not None and np.abs(a).max() > 0.1 for a in want), want  # a signal to find
+    trained = {}
+    for c, a in zip(comps, want):
+        got = c.step_advantages
+        assert got.shape == (len(c.token_ids),)
+        pos, turn = 0, 0
+        for s in c.episode.segments[1:]:
+            seg = got[pos:pos + len(s.ids)]
+            if s.kind == "sampled":
+                turn += 1
+                expect = 0.5 * (a[0] if turn == 1 else a[1])  # turn 2 has no reward: it takes turn 3's
+                assert np.allclose(seg, expect, atol=1e-6), (turn, seg, expect)
+            else:
+                assert not seg.any(), s.kind
+            pos += len(s.ids)
+        assert turn == 3
+    for i, (p, grp) in enumerate(zip(probs, groups)):
+        for j, c in enumerate(grp):
+            trained[(p.id, j)] = float(adv[i, j]) + c.step_advantages
+    for b in batches:
+        if b is None:
+            continue
+        lo = b.loss_cu_seqlens.tolist()
+        for s, key in enumerate(b.ids):
+            m = b.loss_mask[lo[s]:lo[s + 1]] > 0
+            expect = torch.as_tensor(trained[tuple(key)], dtype=torch.float32)
+            assert expect.shape == m.shape
+            assert torch.allclose(b.advantages[lo[s]:lo[s + 1]][m], expect[m], atol=1e-6)
