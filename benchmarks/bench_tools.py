@@ -5,14 +5,21 @@ Episodes: `--prompts` short chat prompts x `--group` samples = N episodes per `E
 call. The environment (`LatencyEnv` as `rollout.env`: one process per episode, the out-of-process
 path of a tool call) sleeps t after turns 1 and 2 and answers; after turn 3 it says done at once,
 so an episode waits R = 2 times. Every turn stops after `--turn-tokens` sampled ids (`TurnCap`, a
-per-turn cap below the episode budget; the ids are the engine's). t in `--latencies`.
+per-turn cap below the episode budget; the ids are the engine's), or earlier at a `--stop` string
+(turns of different lengths, as a model's are). t in `--latencies`.
 
 Rows, the same N episodes and seeds in each (the same work), interleaved inside every repeat:
-  k=1          turn-synchronous batching (rollout.episode_groups=1): all N decode their turn in one
-               engine call, then all N environment steps run in parallel, then the next turn
-  k=2, 4, 8    in flight (rollout.episode_groups=k): batches of N/k decode while the others wait
-  async k=K    (--async) the same runner inside one `RolloutWorker` on Ray (rollout.mode=async's
-               worker, one thread), a generate call timed from the driver
+  k=1          turn-synchronous batching with grouped engine calls (rollout.episode_batching=groups,
+               episode_groups=1): all N decode their turn in one engine call (re-prefilling the
+               conversation), then all N environment steps run in parallel, then the next turn
+  k=2, 4, 8    in flight (episode_groups=k): batches of N/k decode while the others wait
+  turn-sync, cache kept   the continuous engine (fastgrpo.rollout.continuous.TurnBatcher, each
+               episode's KV cache kept between turns) run turn-synchronously: every episode's
+               tool answers before the next turn starts (the like-for-like baseline of the next row)
+  continuous   rollout.episode_batching=continuous: a turn that ends leaves the running batch and
+               its tool starts, an episode whose tool answered joins it again
+  async worker (--async) the runner inside one `RolloutWorker` on Ray (rollout.mode=async's
+               worker, one thread, its default loop), a generate call timed from the driver
 
 Per (row, t): episodes/s = N / wall of one call (median, p20, p80) and the speed-up over k=1
 (median of the per-repeat ratios); the share of tool latency hidden, hidden = 1 - (wall(k, t) -
@@ -31,20 +38,26 @@ Token identity on every episode: the ids with mask 1 equal the ledger's sampled 
 sampled segment is what the engine's `_sample` returned for exactly the ledger before it
 (recorded around the engine, in the Ray worker too); a mismatch fails the run.
 
-Measured 2026-12-04 (commit 4c014e6 + the runner's batching of that day; 2 x86 cores shared with
-other jobs, load 1-6), N = 16, T = 8, d = 1.92 s (turns 0.76 / 1.92 / 2.35 s), 6 repeats, t = 1 s:
-k=1 2.15 episodes/s, k=2 2.53 (1.18x, hidden_tl 0.70), k=4 0.91x and k=8 0.75x although they hide
-95 % and 98 %: their engine CPU is 1.46x and 1.87x k=1's (a decode step of 2 rows reads every
-weight, as one of 16 does). N = 8 (d = 0.97 s): k=2 1.01x (its engine CPU 1.35x). No schedule of
-whole engine calls reaches 1.5x here: with no split cost and every tool second hidden, N = 16
-gives (engine + R*t + start) / (engine + start) = 1.37x; it takes episodes joining a running
-decode batch (continuous batching) and a KV cache kept across turns. The async row (0.73x) loses
-4.3 s before its first decode: an environment process started in a Ray worker takes 0.3-1.5 s
-(the fork server's child re-imports Ray's default_worker.py as __main__), 10-40 ms elsewhere.
+Measured 2026-12-07 (commit ef0e48c; 2 x86 cores, quiet, ~1.7x slower than on 2026-12-04: d was
+1.92 s then), N = 16, medians of 4 repeats (p20-p80), t = 1 s:
+  turns of 8 tokens (`--latencies 0 1 --groups 1 2 --repeats 4 --warmup 1`; d = 3.51 s):
+    k=1 1.23 ep/s; k=2 1.37 (1.05x); turn-sync, cache kept 1.77 (1.37x); continuous 1.81
+    (1.43x k=1, 1.30-1.55; 1.04x the cached turn-sync row)
+  turns ending at the first "." within 32 tokens (`... --stop . --turn-tokens 32`; d = 7.02 s):
+    k=1 0.725 ep/s; k=2 0.667 (0.94x); turn-sync, cache kept 1.058 (1.45x); continuous 0.989
+    (1.41x k=1, 1.35-1.41; 0.97x the cached turn-sync row, 0.90-1.03)
+0 token mismatches over 1,280 episodes. The gain over k=1 is the kept caches (turns 2 and 3
+prefill what the environment appended, not the conversation). Overlap adds little here: the
+continuous row hides 96 % of the tool time (hidden_tl) when turns end at different lengths, but
+the tools are 2 s of a 15 s episode batch (d >> t: the bound (d + t) / max(d, t) is 1.14), and
+the steps of a batch that rows join and leave are smaller, which a CPU pays for (one step of
+SmolLM2-135M on one thread: 23 ms for 1 row, 47 ms for 8, 75 ms for 16): its engine CPU was
+15.3 s against 12.4 s. The issue's target, 1.5x k=1 at t = 1 s, is not reached (1.41-1.43x).
 
-    python -m benchmarks.bench_tools                         # t = 0, 0.2, 1; k = 1, 2, 4, 8; 5 repeats
-    python -m benchmarks.bench_tools --async 2 --repeats 6   # + the RolloutWorker row (the figures above)
-    python -m benchmarks.bench_tools --prompts 2 --latencies 0 1 --groups 1 2
+    python -m benchmarks.bench_tools                         # t = 0, 0.2, 1; k = 1, 2, 4, 8 + the continuous rows
+    python -m benchmarks.bench_tools --latencies 0 1 --groups 1 2 --repeats 4 --warmup 1   # the figures above
+    python -m benchmarks.bench_tools --latencies 0 1 --groups 1 2 --repeats 4 --warmup 1 --stop . --turn-tokens 32
+    python -m benchmarks.bench_tools --async --repeats 6     # + the RolloutWorker row
     python -m benchmarks.bench_tools --smoke --csv /tmp/t.csv  # the tiny model: proves it runs
 
 Appends to benchmarks/results/tools.csv (harness.Bench); the timeline CSV is rewritten. Only the

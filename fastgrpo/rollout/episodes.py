@@ -6,7 +6,8 @@ prompt (fastgrpo.episodes.ledger: sampled turns, environment answers, template b
 `sampled_mask` the ledger's mask (1 only on sampled ids), its `logprobs` / `token_versions` the
 sampling log-prob and policy version of every sampled id, its `text` the text of the final model
 turn (what the rewards score: every single-turn reward works unchanged), and `episode` the
-ledger. A turn is a call of the engine's `_sample` primitive on the ids the ledger holds so far.
+ledger. A turn samples on exactly the ids the ledger holds so far (the engine's `_sample`, or a
+row of the continuous turn batcher).
 
 A turn ends at the engine's eos or at `</tool_call>` (stop-at-tool-call). Then, in order: a
 turn cut by its token cap ends the episode (`budget` when the per-episode budget is spent,
@@ -18,20 +19,31 @@ whose reset / step times out or fails ends it (`tool_timeout` / `tool_error`); w
 `rollout.tool_errors=stop` so does the first tool error, timeout or unparsable call. Otherwise
 the tool results (an error or a timeout as text) go back to the model and the next turn starts.
 
-Many in flight (`rollout.episode_groups` = k): the engine decodes batches of ceil(N / k) of the
-call's N episodes, each batch the first ones back from their tools, while the tools of the
-others run (out of process, in parallel: fastgrpo.episodes.executor), so tool latency hides
-behind decoding. k = 1 is turn-synchronous batching (every episode decodes its turn, then every
-tool call runs, then the next turn), the loop of most peers. The bound is (d + t) / max(d, t) for
-a turn's decode d and a tool's latency t, less what the extra calls cost: a call pays its decode
-steps once however few rows it has. Measured (benchmarks/bench_tools.py: SmolLM2-135M float32 on
-one thread of a shared 2-core CPU, 16 episodes of 3 turns, d = 1.9 s, a 1 s tool): k = 2 gave
-1.18x the episodes/s of k = 1; k = 4 and 8 hid 95-98 % of the tool time but cost 1.46x and 1.87x
-the engine CPU time and ran slower (0.91x, 0.75x). vLLM schedules its own requests; here each
-batch's turn is one engine call, so the same code serves both engines.
+Many in flight, two loops (`rollout.episode_batching`):
 
-Asynchronous workers: `hook` (the worker's in-flight hook) is polled between two turns, so a
-weight swap may land between turns; every sampled id keeps the version that sampled it.
+- continuous (auto's choice on the built-in engine with a Qwen2 / Qwen3 / Llama model:
+  fastgrpo.rollout.continuous.TurnBatcher): every live episode's turn decodes in one running
+  batch; a turn that ends leaves it at once and its tools start, an episode whose tools answered
+  joins it again at the next admission, and each episode's keys / values are kept between its
+  turns, so a later turn prefills only what the environment appended. The engine waits only when
+  every live episode is in a tool.
+- groups (auto's choice elsewhere, e.g. vLLM, which schedules its own requests): the call's N
+  episodes are dealt into `rollout.episode_groups` = k groups; the engine decodes one group's
+  turn (one `_sample` call, re-prefilling the ledger) while the other groups' tools run. k = 1 is
+  turn-synchronous batching (every episode decodes its turn, then every tool call runs, then the
+  next turn), the loop of most peers.
+- sync (benchmarks only): the continuous engine, turn-synchronous (the like-for-like baseline).
+
+The bound is (d + t) / max(d, t) for a turn's decode d and a tool's latency t. Measured in
+benchmarks/bench_tools.py (SmolLM2-135M float32, one thread; figures in its docstring and
+docs/results.md): with a 1 s tool the continuous loop gave 1.43x the episodes/s of k = 1 (turns
+of 8 tokens) — most of it from the kept caches (the turn-synchronous loop on the same engine gave
+1.37x), the rest from overlap, which turns of equal length leave little of.
+
+Asynchronous workers: `hook` (the worker's in-flight hook) is polled between two turns (between
+two decode steps in the continuous loop, whose running rows then keep or re-prefill their caches
+as rollout.inflight says), so a weight swap may land mid-episode; every sampled id keeps the
+version that sampled it.
 """
 from __future__ import annotations
 
