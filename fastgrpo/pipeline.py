@@ -271,13 +271,7 @@ def _train(cfg: TrainConfig, log: Log, parts: RunParts, want_sft: bool, plan=Non
         finally:
             if bar is not None:
                 bar.close()
-        if getattr(trainer, "_stop_signal", None) is not None:  # a signal during the final save: stop as it said
-            from fastgrpo.runs.folder import TrainingInterrupted, stop_deadline
-
-            path = ckpt.latest_checkpoint(out) if cfg.checkpoint.at_end else trainer.save()  # as the loop does
-            stop = TrainingInterrupted(trainer._stop_signal, trainer.step_num, path)
-            stop_deadline(stop.exit_code, str(stop))
-            raise stop
+        trainer.stop_if_signalled()  # a signal during the final save: stop as it said
         saved = " (checkpoint written)" if cfg.checkpoint.at_end and trainer.step_num > 0 else ""
         after = f"after the last GRPO step {trainer.step_num}{saved}"
         progress["where"] = f"{after}, during the final evaluation; run the same command to finish the run"

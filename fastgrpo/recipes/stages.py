@@ -259,6 +259,7 @@ def run_stage(cfg, log: Log, summary: Dict, parts=None) -> Dict:
             trainer.train(on_step=lambda s, m: bar is not None and bar.update(1))
         if bar is not None:
             bar.close()
+        trainer.stop_if_signalled()  # a signal during the stage's final save: no evaluation after it
         if evals is not None:
             trainer.sync_engine()
             ev = evaluate(trainer.engine, task.heldout, evals, cfg.eval, cfg.rollout)

@@ -422,6 +422,20 @@ class Trainer(UpdateMixin, CheckpointMixin):
             self.save()
         return last
 
+    def stop_if_signalled(self) -> None:
+        """After `train` returned: a signal that came during the final save still stops the run as
+        it said (its checkpoint: the one at the end, else written now), before anything follows."""
+        if self._stop_signal is None:
+            return
+        from fastgrpo.runs.checkpoint import latest_checkpoint
+        from fastgrpo.runs.folder import TrainingInterrupted
+
+        out = self.cfg.logging.out_dir
+        path = latest_checkpoint(out) if self.cfg.checkpoint.at_end else self.save()  # as the loop does
+        stop = TrainingInterrupted(self._stop_signal, self.step_num, path)
+        stop_deadline(stop.exit_code, str(stop))
+        raise stop
+
     def _last_checkpoint(self) -> str:
         """"the last checkpoint is …" of this run's folder (listed, not verified: cheap enough for a
         signal handler)."""

@@ -149,3 +149,29 @@ def test_cli_train_runs_both_stages_and_reports_an_unloadable_reward_model_in_on
     assert main(argv(tmp_path / "bad", bad)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fastgrpo: config rewards.models.marker: cannot load a classifier"), err
+
+
+def test_a_signal_during_the_stages_final_save_stops_as_it_said(rm_path, tmp_path, monkeypatch):
+    """issue 34 (18): SIGTERM while the RM stage writes its end-of-run checkpoint stops the run with
+    that checkpoint, as the stopping line said — no held-out evaluation after it, no summary."""
+    import signal
+
+    from fastgrpo.pipeline import run_train
+    from fastgrpo.runs.folder import TrainingInterrupted
+    from fastgrpo.trainer.grpo import Trainer
+
+    real = Trainer.save
+
+    def save(self):
+        path = real(self)
+        if os.path.basename(self.cfg.logging.out_dir) == "rm_stage":
+            self.request_stop(signal.SIGTERM)
+        return path
+
+    monkeypatch.setattr(Trainer, "save", save)
+    out, logs = tmp_path / "run", []
+    with pytest.raises(TrainingInterrupted) as e:
+        run_train(tiny_cfg(out, *_stage_args(tmp_path, rm_path)), log=logs.append)
+    assert e.value.step == 2 and e.value.checkpoint.endswith(os.path.join("rm_stage", "checkpoints", "step-00000002"))
+    assert any("stopping after step 2 " in m for m in logs), logs
+    assert not any("stage 2 done" in m for m in logs) and not (out / "rm_stage" / "summary.json").exists()
