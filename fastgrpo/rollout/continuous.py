@@ -29,6 +29,11 @@ fresh `_sample` of the same context (a batched prefill with a past, other rows' 
 turn may differ from a fresh call in the last bits of its log-probs; the float64 oracle bounds
 both (tests/rollout/test_engine_episodes.py).
 
+Memory: the caches kept between turns hold at most `cache_bytes` (default a quarter of the memory
+free when the batcher starts: the GPU's on CUDA, else the machine's; SmolLM2-135M float32 keeps
+46 KB per id); over it the longest-kept caches go first (`stats["evicted"]`), and those episodes'
+next turns prefill their whole context, as the grouped loop does every turn.
+
 Weights that change between steps (an async worker's rollout.inflight=keep | abort, polled by the
 runner): `weights_changed("keep")` reloads the stepper's weights and keeps the running rows'
 keys / values (as `TorchEngine._sample` does mid-call); "abort" re-prefills the running rows
@@ -57,6 +62,23 @@ _ADMIT_SHARE = 2    # waiting turns admitted once they are 1/_ADMIT_SHARE of the
 _SLOTS_AHEAD = 64   # decode slots a layout allocates beyond its widest row
 
 
+def _nbytes(entry) -> int:
+    return sum(t.numel() * t.element_size() for part in entry[1:] for t in part)
+
+
+def _cache_budget(device) -> int:
+    """Bytes the kept caches of episodes between turns may hold: a quarter of the memory free
+    now (the device's on CUDA, else the machine's). Over it, the longest-kept go first."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] // 4)
+        import psutil
+
+        return int(psutil.virtual_memory().available // 4)
+    except Exception:  # noqa: BLE001 — no reading: 2 GiB
+        return 2 << 30
+
+
 class _Row:
     """One turn in service. `known`: the context then the ids sampled so far; its last id is the
     one the next step feeds. `past`: (n, K per layer [Hkv, n, D], V ...) of known[:n], or None."""
@@ -78,20 +100,23 @@ class TurnBatcher:
     a turn that samples this many ids ends as at a stop string (a fixed turn length for the
     benchmark; the episode's budget still ends a turn as "length")."""
 
-    def __init__(self, engine, sampling: SamplingConfig, version=None, turn_tokens: Optional[int] = None):
+    def __init__(self, engine, sampling: SamplingConfig, version=None, turn_tokens: Optional[int] = None,
+                 cache_bytes: Optional[int] = None):
         self.engine, self.sampling, self.version = engine, sampling, version
         self.turn_tokens = turn_tokens
         self.model = engine.model
         self.device = next(self.model.parameters()).device
         self.stop_ids = set(engine.eos_ids) | set(sampling.stop_token_ids)
         self.saved: Dict[object, Tuple[List[int], list, list]] = {}  # key -> (ids, K, V) between turns
+        self.saved_bytes = 0
+        self.cache_bytes = _cache_budget(self.device) if cache_bytes is None else int(cache_bytes)
         self.queue: List[_Row] = []      # turns waiting for admission
         self.rows: List[_Row] = []       # the stepper's rows, in order (finished ones until compaction)
         self.st: Optional[LeanStepper] = None
         self.cur = 0                     # the next slot a step writes
         self.waited = 0                  # steps the oldest waiting turn has waited
         self._weights: Optional[LeanStepper] = None  # the last stepper: its prepared weights serve the next
-        self.stats = {"steps": 0, "admissions": 0, "prefill_ids": 0, "reused_ids": 0}
+        self.stats = {"steps": 0, "admissions": 0, "prefill_ids": 0, "reused_ids": 0, "evicted": 0}
 
     @staticmethod
     def supports(engine) -> bool:
@@ -108,7 +133,7 @@ class TurnBatcher:
             raise ValueError(f"turn of episode {key!r}: empty context")
         if cap < 1:
             raise ValueError(f"turn of episode {key!r}: cap={cap} (expected >= 1)")
-        saved = self.saved.pop(key, None)
+        saved = self._unsave(key)
         past = None
         if saved is not None and len(saved[0]) < len(context) and context[:len(saved[0])] == saved[0]:
             past = (len(saved[0]), saved[1], saved[2])
@@ -123,7 +148,7 @@ class TurnBatcher:
 
     def forget(self, key) -> None:
         """The episode ended: drop its kept cache."""
-        self.saved.pop(key, None)
+        self._unsave(key)
 
     @property
     def busy(self) -> bool:
@@ -135,6 +160,7 @@ class TurnBatcher:
     def weights_changed(self, mode: str = "keep") -> None:
         """New weights were loaded into the model in place (see the module docstring)."""
         self.saved.clear()
+        self.saved_bytes = 0
         self._weights = None
         if self.st is None:
             return
@@ -150,6 +176,7 @@ class TurnBatcher:
 
     def close(self) -> None:
         self.saved.clear()
+        self.saved_bytes = 0
         self.queue, self.rows, self.st = [], [], None
 
     # ------------------------------------------------------------------ one step
@@ -229,12 +256,25 @@ class TurnBatcher:
             raise RuntimeError(f"turn batcher: episode {r.key!r} holds {valid.numel()} cached positions for "
                                f"{len(fed)} ids")
         ks, vs = self._slot_views()
-        self.saved[r.key] = (fed, [k[i][:, valid].clone() for k in ks], [v[i][:, valid].clone() for v in vs])
+        entry = (fed, [k[i][:, valid].clone() for k in ks], [v[i][:, valid].clone() for v in vs])
+        self._unsave(r.key)
+        self.saved[r.key] = entry
+        self.saved_bytes += _nbytes(entry)
+        while self.saved_bytes > self.cache_bytes and self.saved:
+            # over the budget: the longest-kept caches go (their episodes' next turns prefill all)
+            self._unsave(next(iter(self.saved)))
+            self.stats["evicted"] += 1
         c = Completion(list(r.out), list(r.lps), reason, self.engine._decode(r.out))
         if self.version is not None:
             c.token_versions = list(r.vers)
             c.policy_version = r.vers[0]
         return r.key, c
+
+    def _unsave(self, key):
+        entry = self.saved.pop(key, None)
+        if entry is not None:
+            self.saved_bytes -= _nbytes(entry)
+        return entry
 
     def _slot_views(self):
         """The stepper's K / V per layer as [B, Hkv, S, D] views (the native step stores K as

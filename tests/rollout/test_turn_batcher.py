@@ -34,14 +34,21 @@ def _drain(b, done, at=None, then=None):
     return n
 
 
-def test_admission_into_a_running_batch_slot_growth_and_kept_caches(monkeypatch):
+@pytest.mark.parametrize("budget", ["ample", "two", "none"])
+def test_admission_into_a_running_batch_slot_growth_and_kept_caches(monkeypatch, budget):
+    """budget: the kept caches' memory budget — every cache kept, about two (the longest-kept
+    evicted first), none (every later turn prefills its whole context)."""
     monkeypatch.setattr(continuous, "_SLOTS_AHEAD", 2)   # the layout runs out of slots every other step
     monkeypatch.setattr(continuous, "_ADMIT_WAIT", 1)    # a late turn joins the running batch at once
     model, tok = build_tiny_model("qwen2", seed=5, head_dim=32, num_attention_heads=2)
     eng = TorchEngine(model, tok, copy_model=True, num_threads=1)
     assert TurnBatcher.supports(eng)
+    c = model.config
+    per_id = c.num_hidden_layers * 2 * c.num_key_value_heads * 32 * 4  # bytes of one kept id (float32)
+    cache_bytes = {"ample": 1 << 40, "two": 2 * 14 * per_id, "none": 0}[budget]
     stops = tuple(range(3, model.config.vocab_size, 5))  # a fifth of the vocabulary ends a turn: uneven lengths
-    b = TurnBatcher(eng, SamplingConfig(temperature=1.0, max_new_tokens=CAP, stop_token_ids=stops))
+    b = TurnBatcher(eng, SamplingConfig(temperature=1.0, max_new_tokens=CAP, stop_token_ids=stops),
+                    cache_bytes=cache_bytes)
     prompts = {0: [5, 9, 13, 2, 7], 1: [5, 9, 13, 2, 7], 2: [3, 4], 3: [11, 12, 13, 14, 15, 16, 17], 4: [8, 6]}
     seeds = {k: 100 + k for k in prompts}
     contexts, done = {}, []
@@ -64,20 +71,24 @@ def test_admission_into_a_running_batch_slot_growth_and_kept_caches(monkeypatch)
         contexts[10 + k] = contexts[k] + c.token_ids + [21, 22, 23]
         seeds[10 + k] = 200 + k
     b.forget(4)
+    kept = set(b.saved)
+    assert b.saved_bytes == sum(per_id * len(b.saved[k][0]) for k in kept) <= cache_bytes
+    assert {"ample": kept == {0, 1, 2, 3}, "two": 0 < len(kept) < 4 and b.stats["evicted"] > 0,
+            "none": not kept}[budget], (kept, b.stats)
     reused0, prefill0 = b.stats["reused_ids"], b.stats["prefill_ids"]
     for k in first:
         b.submit(k, contexts[10 + k], CAP, seeds[10 + k])
     _drain(b, done)
     second = {10 + k: c for k, c in done}
     reused = b.stats["reused_ids"] - reused0
-    fed = {k: len(contexts[k]) + len(first[k].token_ids) - 1 for k in first if k != 4}  # ids each kept cache holds
+    fed = {k: len(contexts[k]) + len(first[k].token_ids) - 1 for k in kept}  # ids each kept cache holds
     assert reused == sum(fed.values()), (reused, fed)
     assert b.stats["prefill_ids"] - prefill0 == sum(len(contexts[10 + k]) - 1 - fed.get(k, 0) for k in first)
     keys = sorted(first) + sorted(second)
     outs = {**first, **second}
     check_rollouts("turn batcher", model, [contexts[k] for k in keys], [outs[k] for k in keys], temperature=1.0,
                    seeds=[seeds[k] for k in keys], budget=CAP)
-    assert b.saved and not b.busy
+    assert (bool(b.saved) == (budget != "none")) and not b.busy
     b.close()
 
 
