@@ -56,4 +56,8 @@ def episode_metrics(groups) -> Dict[str, float]:
            "episode/parse_errors": sum(e.parse_errors for e in eps) / n}
     for reason in STOP_REASONS:
         out[f"episode/stop_{reason}"] = sum(e.stop == reason for e in eps) / n
+    rewards = [r for e in eps for _, r in e.turn_rewards]
+    if rewards:  # an environment that rewards turns (rollout.turn_rewards=dense trains on them)
+        out["episode/turn_reward_mean"] = sum(rewards) / len(rewards)
+        out["episode/turn_rewards"] = len(rewards) / n
     return out

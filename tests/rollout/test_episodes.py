@@ -370,6 +370,11 @@ def test_per_turn_rewards_reach_the_tokens_of_their_turns(tmp_path, mode):
     rewards = [[r for _, r in c.episode.turn_rewards] for c in comps]
     assert all(len(r) == 2 for r in rewards) and len({tuple(r) for r in rewards}) > 1, rewards
     assert total.reshape(-1).tolist() == [sum(r) for r in rewards]  # the env reward: their sum
+    from fastgrpo.trainer.step_metrics import episode_metrics
+
+    m = episode_metrics(groups)
+    flat = [x for r in rewards for x in r]
+    assert m["episode/turn_rewards"] == 2.0 and m["episode/turn_reward_mean"] == pytest.approx(sum(flat) / len(flat))
     if mode == "outcome":
         assert all(getattr(c, "step_advantages", None) is None for c in comps)
         return
