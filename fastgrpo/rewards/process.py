@@ -374,8 +374,7 @@ class ProcessReward:
             c.step_advantages = np.zeros(len(c.token_ids), dtype=np.float32)
         for k, v in zip(scored, per_tok):
             comps[k].step_advantages = (self.dense_weight * v).astype(np.float32)
-        varies = [any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G]) for i in range(len(groups))]
-        return np.array(varies, dtype=bool)
+        return _groups_varying(adv, G, len(groups))
 
 
 def attach_turn_advantages(groups: Sequence, weight: float = 1.0, credit: str = "to_go") -> np.ndarray:
@@ -404,8 +403,13 @@ def attach_turn_advantages(groups: Sequence, weight: float = 1.0, credit: str = 
             dense = np.where(slots >= 0, a[np.maximum(slots, 0)], 0.0).astype(np.float32) * np.float32(weight)
             prev = getattr(part, "step_advantages", None)
             part.step_advantages = dense if prev is None else prev + dense
-    return np.array([any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G])
-                     for i in range(len(groups))], dtype=bool)
+    return _groups_varying(adv, G, len(groups))
+
+
+def _groups_varying(adv: list, G: int, B: int) -> np.ndarray:
+    """[B] bool: the groups (G consecutive completions each) with a non-zero step advantage."""
+    return np.array([any(a is not None and bool(np.any(a != 0)) for a in adv[i * G:(i + 1) * G]) for i in range(B)],
+                    dtype=bool)
 
 
 def token_advantages(outcome: float, completion):

@@ -31,7 +31,7 @@ def choose_engine(kind: str, model=None) -> Tuple[str, Optional[str]]:
     checkpoint path) to serve; an explicit kind is returned as is, after checking it can run."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
-    from fastgrpo.rollout.vllm_engine import vllm_available, vllm_unsupported_reason
+    from fastgrpo.rollout.vllm_support import vllm_available, vllm_unsupported_reason
 
     if kind == "vllm" and not vllm_available():
         raise ValueError("kind='vllm' but the vllm package is not importable; install vllm (GPU) or "

@@ -49,9 +49,7 @@ would take ~15 GiB; on GPU `gpu_memory_utilization` sizes it unless `kv_cache_by
 """
 from __future__ import annotations
 
-import glob
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -64,6 +62,8 @@ import torch
 from fastgrpo import env
 from fastgrpo.models import lora
 from fastgrpo.rollout.base import Completion, RolloutEngine, SamplingConfig, token_versions
+from fastgrpo.rollout.vllm_support import (checkpoint_names, counting_bar, engine_options, kv_bytes_per_sequence,
+                                           vllm_lora_unsupported_reason)
 from fastgrpo.sync.bucket import ALIGN, DEFAULT_BUCKET_BYTES
 
 WORKER_EXTENSION = "fastgrpo.sync.worker_ext.FastGRPOWorkerExtension"
@@ -73,33 +73,8 @@ _TRANSPORTS = ("auto", "shm", "cuda_ipc", "reference")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py) serves only these head sizes.
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def vllm_unsupported_reason(model) -> Optional[str]:
-    """None when vLLM can serve `model` (an HF module) on this machine, else why not."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
-        return f"head_dim={head_dim}, and vLLM's CPU attention needs one of {VLLM_CPU_HEAD_DIMS}"
-    return None
-
-
 # engines of this process holding vLLM's CuMem allocator (sleep mode): at most one may
 _SLEEP_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def engine_options(device_type: str, *, gpu_memory_utilization: float = 0.5,
-                   sleep_mode: bool = False) -> Dict[str, Any]:
-    """The `vllm.LLM` kwargs that depend on the device: on CUDA the memory fraction and sleep
-    mode (only when asked: it installs the one-per-process CuMem allocator); on CPU none
-    (vLLM's CPU worker has neither)."""
-    if device_type == "cuda":
-        return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=bool(sleep_mode))
-    if device_type == "cpu":
-        return {}
-    raise ValueError(f"device_type={device_type!r}: expected 'cuda' or 'cpu'")
 
 
 def _claim_sleep_mode(engine, requested: Optional[bool]) -> bool:
@@ -116,27 +91,6 @@ def _claim_sleep_mode(engine, requested: Optional[bool]) -> bool:
                       "allocator allows one instance per process)", RuntimeWarning)
         return False
     _SLEEP_HOLDERS.add(engine)
-    return True
-
-
-def vllm_lora_unsupported_reason(model=None) -> Optional[str]:
-    """None when this vLLM can serve LoRA adapters (`enable_lora` + a `LoRARequest` per sync,
-    fastgrpo.sync.adapter), else why not."""
-    if not vllm_available():
-        return "the vllm package is not importable"
-    try:
-        from vllm.lora.request import LoRARequest  # noqa: F401
-    except ImportError as e:
-        return f"this vLLM has no LoRA support ({e})"
-    return None
-
-
-def vllm_available() -> bool:
-    env.apply_vllm_defaults()
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
     return True
 
 
@@ -196,7 +150,7 @@ class VLLMEngine(RolloutEngine):
             path = self._tmpdir
         elif isinstance(model, str) and os.path.isdir(model):
             path = model
-            self.expected_names = _checkpoint_names(path)
+            self.expected_names = checkpoint_names(path)
         else:
             raise ValueError(f"model={model!r}: expected an HF nn.Module or a local checkpoint directory")
         self.dtype = dtype or torch.bfloat16
@@ -274,7 +228,7 @@ class VLLMEngine(RolloutEngine):
             return LLM(**kwargs)
         except Exception as e:
             _SLEEP_HOLDERS.discard(self)
-            need = _kv_bytes_per_sequence(path, max_model_len, self.dtype)
+            need = kv_bytes_per_sequence(path, max_model_len, self.dtype)
             raise RuntimeError(
                 f"vLLM failed to start: {type(e).__name__}: {e}\n"
                 f"Settings used: max_model_len={max_model_len}, max_num_seqs={max_num_seqs}, "
@@ -488,59 +442,8 @@ class VLLMEngine(RolloutEngine):
         return result
 
 
-def counting_bar(progress):
-    """A tqdm class for `LLM.generate(use_tqdm=…)` that draws nothing and hands each finished
-    request's count to `progress`: vLLM's own "Processed prompts" bar would be a second bar beside
-    the evaluation's (vLLM reads its `n`, `format_dict` and `postfix`, so it is a real tqdm)."""
-    from tqdm import tqdm
-
-    class _Sink:
-        def write(self, _s):
-            pass
-
-        def flush(self):
-            pass
-
-    class CountingBar(tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "file": _Sink()})
-
-        def update(self, n=1):
-            progress(n)
-            return super().update(n)
-
-    return CountingBar
-
-
 def _completion(out) -> Completion:
     o = out.outputs[0]
     toks = list(o.token_ids)
     lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs)]
     return Completion(toks, lps, "length" if o.finish_reason == "length" else "stop", o.text)
-
-
-def _kv_bytes_per_sequence(path: str, max_model_len: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for max_model_len tokens: 2 · layers · kv_heads · head_dim · bytes · len."""
-    with open(os.path.join(path, "config.json")) as fh:
-        cfg = json.load(fh)
-    heads = cfg.get("num_attention_heads", 1)
-    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return 2 * cfg.get("num_hidden_layers", 1) * kv_heads * head_dim * dtype.itemsize * max_model_len
-
-
-def _checkpoint_names(path: str) -> List[str]:
-    """Parameter names of a safetensors checkpoint, minus a tied lm_head (the engine skips it)."""
-    from safetensors import safe_open
-
-    names = []
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(f, framework="pt") as fh:
-            names.extend(fh.keys())
-    if not names:
-        raise ValueError(f"model={path!r}: no *.safetensors files in the directory")
-    with open(os.path.join(path, "config.json")) as fh:
-        cfg = json.load(fh)
-    if cfg.get("tie_word_embeddings"):
-        names = [n for n in names if n != "lm_head.weight"]
-    return names

@@ -18,7 +18,7 @@ import torch
 
 from fastgrpo.models.patch import patch_model
 from fastgrpo.config import DataConfig, ModelConfig, OptimizerConfig, RewardsConfig, RolloutConfig
-from fastgrpo.rollout.vllm_engine import vllm_available
+from fastgrpo.rollout.vllm_support import vllm_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

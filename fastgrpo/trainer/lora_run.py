@@ -111,7 +111,7 @@ def _check_adapter_fits(path: str, base: str, meta) -> None:
 def _check_engine(cfg, meta) -> None:
     if cfg.model.lora.sync != "adapter" or cfg.rollout.engine != "vllm":
         return
-    from fastgrpo.rollout.vllm_engine import vllm_lora_unsupported_reason
+    from fastgrpo.rollout.vllm_support import vllm_lora_unsupported_reason
 
     why = vllm_lora_unsupported_reason(meta)
     if why is not None:

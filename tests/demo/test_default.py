@@ -21,7 +21,7 @@ def test_auto_picks_vllm_when_installed_and_past_the_crossover(monkeypatch, inst
         return {"vllm": "VLLMEngine", "torch": "TorchEngine"}[kind]
 
     # the one `auto` policy (fastgrpo.rollout.choose_engine) reads vllm_engine's probe
-    monkeypatch.setattr("fastgrpo.rollout.vllm_engine.vllm_available", lambda: installed)
+    monkeypatch.setattr("fastgrpo.rollout.vllm_support.vllm_available", lambda: installed)
     monkeypatch.setattr(builders, "vllm_available", lambda: installed)
     monkeypatch.setattr("fastgrpo.rollout.make_engine", fake_make_engine)
     if min_params is not None:  # None: the measured crossover, which the tiny model is far below
@@ -40,9 +40,9 @@ def test_auto_falls_back_when_vllm_cannot_serve_the_model(monkeypatch, capsys):
     and says why, instead of failing at engine start."""
     from fastgrpo.models.tiny import build_tiny_model
 
-    from fastgrpo.rollout.vllm_engine import vllm_unsupported_reason
+    from fastgrpo.rollout.vllm_support import vllm_unsupported_reason
 
-    monkeypatch.setattr("fastgrpo.rollout.vllm_engine.vllm_available", lambda: True)
+    monkeypatch.setattr("fastgrpo.rollout.vllm_support.vllm_available", lambda: True)
     monkeypatch.setattr(builders, "vllm_available", lambda: True)
     model, tok = build_tiny_model(hidden_size=32, num_attention_heads=2, head_dim=16, num_hidden_layers=1,
                                   intermediate_size=64)

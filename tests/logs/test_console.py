@@ -139,7 +139,7 @@ def test_a_held_out_evaluation_shows_a_bar_over_its_problems(capsys, monkeypatch
 def test_vllm_counting_bar_draws_nothing_and_counts():
     """vLLM's own bar ("Processed prompts") would be a second bar beside the evaluation's: its
     tqdm class draws nothing and hands the counts on; vLLM reads n, format_dict and postfix."""
-    from fastgrpo.rollout.vllm_engine import counting_bar
+    from fastgrpo.rollout.vllm_support import counting_bar
 
     got = []
     pbar = counting_bar(got.append)(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="x")

@@ -275,7 +275,7 @@ def test_discarded_weights_are_never_woken_without_a_sync():
 
 
 def test_engine_options_per_device():
-    from fastgrpo.rollout.vllm_engine import engine_options
+    from fastgrpo.rollout.vllm_support import engine_options
 
     assert engine_options("cpu", gpu_memory_utilization=0.3, sleep_mode=True) == {}
     assert engine_options("cuda", gpu_memory_utilization=0.3) == dict(gpu_memory_utilization=0.3,

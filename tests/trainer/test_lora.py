@@ -267,10 +267,10 @@ def test_an_adapter_naming_another_base_of_the_same_shapes_is_refused_at_load(tm
 
 def test_adapter_sync_with_an_engine_that_cannot_load_adapters_is_refused(monkeypatch):
     from fastgrpo.config import load_config
-    from fastgrpo.rollout import vllm_engine
+    from fastgrpo.rollout import vllm_support
     from fastgrpo.trainer.lora_run import check_lora_run
 
-    monkeypatch.setattr(vllm_engine, "vllm_lora_unsupported_reason", lambda model=None: "no LoRA in this vLLM")
+    monkeypatch.setattr(vllm_support, "vllm_lora_unsupported_reason", lambda model=None: "no LoRA in this vLLM")
     with pytest.raises(ValueError, match=r"model.lora.sync='adapter'.*no LoRA in this vLLM.*model.lora.sync=merged"):
         check_lora_run(load_config(None, ["model.lora.rank=2", "rollout.engine=vllm"]))
     # merged full weights need no LoRA in the engine; the built-in engine shares the module
