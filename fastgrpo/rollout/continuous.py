@@ -257,8 +257,7 @@ class TurnBatcher:
                                f"{len(fed)} ids")
         ks, vs = self._slot_views()
         entry = (fed, [k[i][:, valid].clone() for k in ks], [v[i][:, valid].clone() for v in vs])
-        self._unsave(r.key)
-        self.saved[r.key] = entry
+        self.saved[r.key] = entry  # submit() took the previous one out
         self.saved_bytes += _nbytes(entry)
         while self.saved_bytes > self.cache_bytes and self.saved:
             # over the budget: the longest-kept caches go (their episodes' next turns prefill all)

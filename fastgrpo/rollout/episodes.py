@@ -119,16 +119,18 @@ class EpisodeRunner:
         self._n_threads = 8
         if settings.batching not in ("auto", "continuous", "groups", "sync"):
             raise ValueError(f"episode batching {settings.batching!r}: expected auto, continuous, groups or sync")
-        if settings.batching in ("continuous", "sync") and not self._continuous():
+        if settings.batching in ("continuous", "sync") and self._continuous_engine() is None:
             self.close()
             raise ValueError(f"rollout.episode_batching={settings.batching}: the engine cannot batch turns "
                              "continuously (the built-in engine on a Qwen2 / Qwen3 / Llama model with decoder auto or "
                              "lean can); use auto or groups")
 
-    def _continuous(self) -> bool:
+    def _continuous_engine(self):
+        """The engine a TurnBatcher can run on (`inner`: under the benchmark's wrapper), else None."""
         from fastgrpo.rollout.continuous import TurnBatcher
 
-        return TurnBatcher.supports(getattr(self.engine, "inner", self.engine))  # inner: the benchmark's wrapper
+        engine = getattr(self.engine, "inner", self.engine)
+        return engine if TurnBatcher.supports(engine) else None
 
     def metrics(self) -> Dict[str, float]:
         """`episode/tool_leaks`: processes of finished tool calls still alive (0 unless a tool escaped
@@ -196,11 +198,11 @@ class EpisodeRunner:
     def _batcher(self, sampling: SamplingConfig):
         """The engine's TurnBatcher (fastgrpo.rollout.continuous) where this run batches
         continuously, else None (the grouped loop)."""
-        if self.s.batching == "groups" or not self._continuous():
+        engine = None if self.s.batching == "groups" else self._continuous_engine()
+        if engine is None:
             return None
         from fastgrpo.rollout.continuous import TurnBatcher
 
-        engine = getattr(self.engine, "inner", self.engine)
         return TurnBatcher(engine, self._turn_sampling(sampling), version=self.version,
                            turn_tokens=getattr(self.engine, "turn_tokens", None))
 
