@@ -207,8 +207,9 @@ def mismatches(groups, calls) -> Dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def load(smoke: bool, threads: int, model_path: str = ""):
-    """(engine, tokenizer, prompt texts) on the CPU: SmolLM2-135M-Instruct float32, or the tiny model."""
+def load(smoke: bool, threads: int, model_path: str = "", max_batch: int = 256):
+    """(engine, tokenizer, prompt texts) on the CPU: SmolLM2-135M-Instruct float32, or the tiny model;
+    at most `max_batch` rows decode together (the engine's max_batch_size, as a run builds it: 256)."""
     import torch
 
     from fastgrpo.rollout.torch_engine import TorchEngine
@@ -229,7 +230,7 @@ def load(smoke: bool, threads: int, model_path: str = ""):
                                             {"role": "user", "content": f"Tell me about {x}."}],
                                            tokenize=False, add_generation_prompt=True) for x in TOPICS]
     model.eval().requires_grad_(False)
-    return TorchEngine(model, tok, max_batch_size=256, num_threads=threads), tok, prompts
+    return TorchEngine(model, tok, max_batch_size=max_batch, num_threads=threads), tok, prompts
 
 
 CONT, SYNC, ASYNC = 0, -1, -100   # row keys besides k >= 1 (grouped engine calls)
@@ -378,7 +379,7 @@ def measure(a) -> Dict:
         from fastgrpo.models.gguf import smollm2_135m
 
         a.model_path = smollm2_135m()
-    engine, tok, prompts = load(a.smoke, a.threads, getattr(a, "model_path", ""))
+    engine, tok, prompts = load(a.smoke, a.threads, getattr(a, "model_path", ""), a.max_batch)
     prompts = [prompts[i % len(prompts)] for i in range(a.prompts)]
     env = f"{os.path.abspath(__file__)}:LatencyEnv"
     rec = Recorder(engine)
@@ -487,7 +488,8 @@ def report(m: Dict, summ: Dict, a) -> None:
     from benchmarks.harness import Bench, Stats
 
     bench = Bench("tools")
-    shape = f"N={m['n_eps']} ({a.prompts}x{a.group}),T={a.turn_tokens},turns={TURNS},threads={a.threads}"
+    shape = (f"N={m['n_eps']} ({a.prompts}x{a.group}),T={a.turn_tokens},turns={TURNS},threads={a.threads}"
+             + (f",B={a.max_batch}" if a.max_batch < m["n_eps"] else "") + (f",stop={''.join(a.stop)}" if a.stop else ""))
     order = lambda kv: (kv[0][0], rank(kv[0][1]))  # noqa: E731
     for (t, k), s in sorted(summ.items(), key=order):
         w = s["wall"]
@@ -540,6 +542,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop strings: a turn ends at the first (its length then varies, up to --turn-tokens)")
     ap.add_argument("--budget", type=int, default=512, help="rollout.max_new_tokens (the episode budget)")
     ap.add_argument("--threads", type=int, default=1, help="the engine's intra-op threads")
+    ap.add_argument("--max-batch", type=int, default=256,
+                    help="rows the engine decodes together (its max_batch_size; below N, episodes queue for rows)")
     ap.add_argument("--async", dest="async_rows", action="store_true",
                     help="add the RolloutWorker-on-Ray row (its runner as a run builds it)")
     ap.add_argument("--no-continuous", dest="continuous", action="store_false",
@@ -558,8 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if 1 not in a.groups or min(a.groups) < 1 or a.prompts < 1 or a.group < 1 or a.turn_tokens < 1:
         ap.error("--groups must hold 1 (the turn-synchronous row) and values >= 1; --prompts, --group, "
                  "--turn-tokens >= 1")
-    if min(a.latencies) < 0 or a.repeats < 1 or a.warmup < 0:
-        ap.error("--latencies >= 0, --repeats >= 1, --warmup >= 0")
+    if min(a.latencies) < 0 or a.repeats < 1 or a.warmup < 0 or a.max_batch < 1:
+        ap.error("--latencies >= 0, --repeats >= 1, --warmup >= 0, --max-batch >= 1")
     a.groups = sorted(set(a.groups))
     a.latencies = sorted(set(a.latencies))
     return a

@@ -49,6 +49,7 @@ quarter / 4 steps, this cut the prefill time of the bench_tools stop-string benc
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -117,6 +118,7 @@ class TurnBatcher:
         self.waited = 0                  # steps the oldest waiting turn has waited
         self._weights: Optional[LeanStepper] = None  # the last stepper: its prepared weights serve the next
         self.stats = {"steps": 0, "admissions": 0, "prefill_ids": 0, "reused_ids": 0, "evicted": 0}
+        self.admit_s = 0.0               # seconds the last admission took (the runner's wait window)
 
     @staticmethod
     def supports(engine) -> bool:
@@ -196,10 +198,11 @@ class TurnBatcher:
         n_alive = sum(r.alive for r in self.rows)
         if self.queue:
             room = self.engine.max_batch_size - n_alive
-            if room > 0 and (n_alive == 0 or len(self.queue) >= max(1, n_alive // _ADMIT_SHARE) or self.waited >= _ADMIT_WAIT):
+            fits = min(room, len(self.queue))  # turns an admission now would take
+            if fits > 0 and (n_alive == 0 or fits >= max(1, n_alive // _ADMIT_SHARE) or self.waited >= _ADMIT_WAIT):
                 self._admit(room)
                 self.waited = 0
-            else:
+            elif fits > 0:
                 self.waited += 1
         live = [i for i, r in enumerate(self.rows) if r.alive]
         if not live:
@@ -286,6 +289,7 @@ class TurnBatcher:
     def _admit(self, room: int) -> None:
         """Prefill up to `room` waiting turns and re-lay the running batch and them out into one
         fresh stepper (room 0: the running batch alone, when its slots ran out)."""
+        t0 = time.perf_counter()
         new, self.queue = self.queue[:room], self.queue[room:]
         blocks = []   # (rows, K per layer [b, Hkv, w, D], V, valid [b, w] bool)
         old = [r for r in self.rows if r.alive]
@@ -320,6 +324,7 @@ class TurnBatcher:
             off += n
         self.st, self.rows, self.cur = st, rows, width
         self.stats["admissions"] += 1
+        self.admit_s = time.perf_counter() - t0
 
     def _left(self, r: _Row) -> int:
         cap = r.cap if self.turn_tokens is None else min(r.cap, self.turn_tokens)

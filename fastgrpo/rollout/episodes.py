@@ -221,6 +221,12 @@ class EpisodeRunner:
             if waiting and (self.s.batching != "sync" or not batcher.busy):
                 back: List[_Episode] = []
                 self._collect(waiting, back, block=not batcher.busy)
+                if (waiting and batcher.admit_s > 0 and not batcher.running()
+                        and len(batcher.queue) + len(back) < batcher.engine.max_batch_size):
+                    # the engine is idle and the next admission has room: answers that arrive within
+                    # one admission's time join it instead of costing one more admission (waiting
+                    # at most what the admission it saves costs: ski rental)
+                    self._collect(waiting, back, block=False, within=batcher.admit_s)
                 while self.s.batching == "sync" and waiting:  # turn-synchronous: every episode's tools first
                     self._collect(waiting, back, block=True)
                 for ep in back:
@@ -243,13 +249,19 @@ class EpisodeRunner:
         """One step of the batcher (a method of its own: the benchmark times it)."""
         return batcher.step()
 
-    def _collect(self, waiting: Dict[concurrent.futures.Future, _Episode], ready: List[_Episode], block: bool) -> None:
+    def _collect(self, waiting: Dict[concurrent.futures.Future, _Episode], ready: List[_Episode], block: bool,
+                 within: float = 0.0) -> None:
         """Move the episodes whose tools answered from `waiting` to the end of `ready` (those that go
-        on; the others have ended). block: wait for at least one answer."""
+        on; the others have ended). block: wait for at least one answer; within: wait up to this many
+        seconds for all of them (those answered by then are taken)."""
         if not waiting:
             return
-        done, _ = concurrent.futures.wait(list(waiting), timeout=None if block else 0,
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        if within > 0:
+            done, _ = concurrent.futures.wait(list(waiting), timeout=within,
+                                              return_when=concurrent.futures.ALL_COMPLETED)
+        else:
+            done, _ = concurrent.futures.wait(list(waiting), timeout=None if block else 0,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
         for fut in sorted(done, key=lambda f: waiting[f].index):
             ep = waiting.pop(fut)
             if self._answered(ep, fut.result()):

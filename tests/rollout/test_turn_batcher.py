@@ -145,3 +145,69 @@ def test_continuous_batching_refused_where_the_engine_cannot():
         TurnBatcher(lean, SamplingConfig()).submit(0, [], 4, 0)
     with pytest.raises(ValueError, match="cap=0"):
         TurnBatcher(lean, SamplingConfig()).submit(0, [1], 0, 0)
+
+
+def test_admission_waits_until_a_share_of_the_batch_fits():
+    """A full batch (max_batch_size 8) with a long queue: one finished row frees one slot, and
+    admitting one turn would re-lay out the whole batch for it; the batch waits until the turns an
+    admission can take are half of the running rows (three freed at step 4 here), or until the
+    waiting turn has waited _ADMIT_WAIT steps. The admitted turns are still the oracle's."""
+    model, tok = build_tiny_model("qwen2", seed=5, head_dim=32, num_attention_heads=2)
+    eng = TorchEngine(model, tok, copy_model=True, num_threads=1, max_batch_size=8)
+    eng.eos_ids = []  # turns end at their caps only: the finishing steps are fixed
+    b = TurnBatcher(eng, SamplingConfig(temperature=1.0, max_new_tokens=CAP))
+    caps = [2, 4, 4] + [CAP] * 13           # rows 0..7 run first; 8..15 queue for rows
+    prompts = [[5 + i % 7, 9, 13, 2 + i % 3] for i in range(len(caps))]
+    for i, (p, cap) in enumerate(zip(prompts, caps)):
+        b.submit(i, p, cap, 300 + i)
+    admitted, done = [], []
+    admit = b._admit
+
+    def spy(room):
+        admitted.append((b.stats["steps"], min(room, len(b.queue))))
+        admit(room)
+
+    b._admit = spy
+    while b.busy:
+        done.extend(b.step())
+    # step 0: eight rows; row 0 ends at its 2nd step (one slot: no admission), rows 1 and 2 at their
+    # 4th (three slots, five running: 3 >= 5 // 2): the admission comes before step 5
+    assert admitted[:2] == [(0, 8), (4, 3)], admitted
+    got = dict(done)
+    assert [len(got[i].token_ids) for i in range(len(caps))] == caps
+    check_rollouts("turn batcher/admission share", model, prompts, [got[i] for i in range(len(caps))],
+                   temperature=1.0, seeds=[300 + i for i in range(len(caps))], budget=CAP)
+    # a single free slot is taken once the waiting turn has waited _ADMIT_WAIT steps
+    b2 = TurnBatcher(eng, SamplingConfig(temperature=1.0, max_new_tokens=40))
+    for i in range(9):
+        b2.submit(i, prompts[i], 2 if i == 0 else 40, 300 + i)
+    steps = []
+    admit2 = b2._admit
+    b2._admit = lambda room: (steps.append(b2.stats["steps"]), admit2(room))
+    while len(steps) < 2:
+        b2.step()
+    assert steps == [0, 2 + continuous._ADMIT_WAIT], steps
+    b2.close()
+
+
+def test_collect_waits_within_a_window_for_answers_due():
+    """The continuous loop's idle engine takes every tool answer that arrives within one
+    admission's time (`_collect(within=…)`): answered ones are taken, unanswered ones stay."""
+    import concurrent.futures
+
+    model, tok = build_tiny_model("qwen2", seed=1, head_dim=32, num_attention_heads=2)
+    runner = EpisodeRunner(TorchEngine(model, tok, decoder="lean", num_threads=1), tok, EpisodeSettings())
+    try:
+        eps = [type("Ep", (), {"index": i})() for i in range(3)]
+        futs = [concurrent.futures.Future() for _ in eps]
+        futs[0].set_result("a")
+        futs[2].set_result("c")
+        runner._answered = lambda ep, res: True
+        waiting, back = dict(zip(futs, eps)), []
+        runner._collect(waiting, back, block=False, within=0.05)  # futs[1] never answers: 50 ms, then on
+        assert [ep.index for ep in back] == [0, 2] and list(waiting) == [futs[1]]
+        futs[1].set_result("b")
+        runner._collect(waiting, back, block=False, within=30.0)  # all answered: no wait
+        assert [ep.index for ep in back] == [0, 2, 1] and not waiting
+    finally:
+        runner.close()
