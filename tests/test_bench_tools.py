@@ -43,3 +43,13 @@ def test_the_token_check_catches_a_trained_id_the_engine_did_not_sample():
     assert B.mismatches([[c]], bad)["mismatched_episodes"] == 1
     c.sampled_mask = [1, 1, 1, 1]  # an environment id trained
     assert B.mismatches([[c]], calls)["mismatched_episodes"] == 1
+
+
+def test_episodes_that_queue_for_rows(tmp_path, capsys):
+    """--max-batch 2 below N = 4: the engine decodes two rows at a time (k = 1 in chunks, the
+    continuous loop hands a freed row to a waiting episode); every episode still checked."""
+    out = tmp_path / "tools.csv"
+    assert B.main(["--smoke", "--max-batch", "2", "--csv", str(out), "--timeline", str(tmp_path / "t.csv")]) == 0
+    assert "token identity: 0 mismatched episodes of 32 " in capsys.readouterr().out
+    rows = list(csv.DictReader(open(out)))
+    assert rows and all(",B=2," in r["shape"] for r in rows)

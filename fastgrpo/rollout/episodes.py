@@ -26,7 +26,8 @@ Many in flight, two loops (`rollout.episode_batching`):
   batch; a turn that ends leaves it at once and its tools start, an episode whose tools answered
   joins it again at the next admission, and each episode's keys / values are kept between its
   turns, so a later turn prefills only what the environment appended. The engine waits only when
-  every live episode is in a tool.
+  every live episode is in a tool; then the answers that arrive within one admission's time join
+  the same admission (waiting at most what the admission it saves costs).
 - groups (auto's choice elsewhere, e.g. vLLM, which schedules its own requests): the call's N
   episodes are dealt into `rollout.episode_groups` = k groups; the engine decodes one group's
   turn (one `_sample` call, re-prefilling the ledger) while the other groups' tools run. k = 1 is
@@ -36,9 +37,11 @@ Many in flight, two loops (`rollout.episode_batching`):
 
 The bound is (d + t) / max(d, t) for a turn's decode d and a tool's latency t. Measured in
 benchmarks/bench_tools.py (SmolLM2-135M float32, one thread; figures in its docstring and
-docs/results.md): with a 1 s tool the continuous loop gave 1.43x the episodes/s of k = 1 (turns
-of 8 tokens) — most of it from the kept caches (the turn-synchronous loop on the same engine gave
-1.37x), the rest from overlap, which turns of equal length leave little of.
+docs/results.md), with a 1 s tool: where the episodes outnumber the engine's rows (32 on 16),
+the continuous loop gave 1.62x / 1.49x the episodes/s of k = 1 (turns of 8 tokens / to a stop
+string) and 1.21x / 1.13x the same engine run turn-synchronously: a row that leaves for its tool
+goes to a waiting episode. In one batch that starts together (16 episodes on 256 rows) every
+episode's own tool waits are on the critical path: 1.28x / 1.37x k = 1, all of it the kept caches.
 
 Asynchronous workers: `hook` (the worker's in-flight hook) is polled between two turns (between
 two decode steps in the continuous loop, whose running rows then keep or re-prefill their caches
