@@ -281,7 +281,10 @@ def test_bad_correction_config_names_the_field(override, field):
 def test_async_trainer_corrects_with_decoupled_by_default(tmp_path):
     """rollout.mode=async (Ray local, one built-in-engine worker, η = 1): correction auto is
     decoupled; every step that updates logs the async/* correction metrics and the first inner
-    step's ratio is 1 (the clip is around π_prox, not around the worker's μ)."""
+    step's ratio is 1 (the clip is around π_prox, not around the worker's μ). On the logical clock
+    (rollout.deterministic) step 1 trains groups admitted at version 0, so a stale batch is
+    certain; on the wall clock a loaded box could sample every batch fresh (seen once in a full
+    suite run: staleness_max 0)."""
     ray = pytest.importorskip("ray")
     from trainer_helpers import TINY
 
@@ -289,7 +292,8 @@ def test_async_trainer_corrects_with_decoupled_by_default(tmp_path):
     from fastgrpo.trainer.build import build_model
 
     cfg = load_config(None, TINY + ["rollout.mode=async", "sync.timeout=60", "cluster.object_store_mb=100",
-                                    "rollout.max_staleness=1", "steps=3", "optimizer.lr=0.05",
+                                    "rollout.max_staleness=1", "rollout.deterministic=true", "steps=3",
+                                    "optimizer.lr=0.05",
                                     f"logging.out_dir={tmp_path}"])
     model, tok = build_model(cfg.model)
     t = AsyncTrainer(cfg, model, tok, NoisyTask(), log=lambda m: None)
