@@ -65,7 +65,7 @@ from fastgrpo.rollout.decoders import LeanStepper, pick
 from fastgrpo.rollout.torch_engine import process_logits
 
 _ADMIT_WAIT = 16    # decode steps a waiting turn may wait while a batch runs
-_ADMIT_SHARE = 2    # waiting turns admitted once they are 1/_ADMIT_SHARE of the running rows
+_ADMIT_SHARE = 2    # waiting turns admitted once those that fit are 1/_ADMIT_SHARE of the running rows
 _SLOTS_AHEAD = 64   # decode slots a layout allocates beyond its widest row
 
 
@@ -165,6 +165,10 @@ class TurnBatcher:
     def running(self) -> List[object]:
         return [r.key for r in self.rows if r.alive]
 
+    def room(self) -> int:
+        """Rows free for waiting turns: at most `engine.max_batch_size` run together."""
+        return self.engine.max_batch_size - sum(r.alive for r in self.rows)
+
     def weights_changed(self, mode: str = "keep") -> None:
         """New weights were loaded into the model in place (see the module docstring)."""
         self.saved.clear()
@@ -203,7 +207,7 @@ class TurnBatcher:
     def _step(self) -> List[Tuple[object, Completion]]:
         n_alive = sum(r.alive for r in self.rows)
         if self.queue:
-            room = self.engine.max_batch_size - n_alive
+            room = self.room()
             fits = min(room, len(self.queue))  # turns an admission now would take
             if fits > 0 and (n_alive == 0 or fits >= max(1, n_alive // _ADMIT_SHARE) or self.waited >= _ADMIT_WAIT):
                 self._admit(room)

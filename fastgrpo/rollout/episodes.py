@@ -225,7 +225,7 @@ class EpisodeRunner:
                 back: List[_Episode] = []
                 self._collect(waiting, back, block=not batcher.busy)
                 if (waiting and batcher.admit_s > 0 and not batcher.running()
-                        and len(batcher.queue) + len(back) < batcher.engine.max_batch_size):
+                        and len(batcher.queue) + len(back) < batcher.room()):
                     # the engine is idle and the next admission has room: answers that arrive within
                     # one admission's time join it instead of costing one more admission (waiting
                     # at most what the admission it saves costs: ski rental)
@@ -259,12 +259,9 @@ class EpisodeRunner:
         seconds for all of them (those answered by then are taken)."""
         if not waiting:
             return
-        if within > 0:
-            done, _ = concurrent.futures.wait(list(waiting), timeout=within,
-                                              return_when=concurrent.futures.ALL_COMPLETED)
-        else:
-            done, _ = concurrent.futures.wait(list(waiting), timeout=None if block else 0,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            list(waiting), timeout=within if within > 0 else (None if block else 0),
+            return_when=concurrent.futures.ALL_COMPLETED if within > 0 else concurrent.futures.FIRST_COMPLETED)
         for fut in sorted(done, key=lambda f: waiting[f].index):
             ep = waiting.pop(fut)
             if self._answered(ep, fut.result()):
