@@ -2,13 +2,23 @@
 word problems (examples/smollm2_arithmetic/), several seeds, reward and accuracy curves plotted.
 
     python benchmarks/bench_real_learning.py --out runs/learning [--seeds 0 1 2] [--steps 30]
-        [--minutes 30] [--set optimizer.lr=1e-5 ...]
+        [--minutes 30] [--config examples/smollm2_arithmetic/config.yaml] [--set optimizer.lr=1e-5 ...]
+
+With the python tool (config_python.yaml: an SFT cold start on tool traces, then GRPO whose
+episodes call the tool), and the same model trained the same way without the tool:
+
+    python benchmarks/bench_real_learning.py --out runs/python --steps 15 \
+        --config examples/smollm2_arithmetic/config_python.yaml
+    python benchmarks/bench_real_learning.py --out runs/notool --steps 15 \
+        --config examples/smollm2_arithmetic/config_python.yaml \
+        --set "rollout.tools=[]" --set data.columns.completion=answer_turn
 
 Each seed is one `fastgrpo train --config examples/smollm2_arithmetic/config.yaml` in its own
 process (same data, the run's seed varied), capped at --minutes of wall time (a run past it is
 stopped with SIGTERM, which checkpoints, and is reported as cut). Held-out accuracy is greedy on
 the example's 60 held-out problems, at step 0 (the pretrained model), every 10 steps and at the
-end. Prints a table (accuracy before → after, the lift in points, minutes) and writes
+end (after the SFT cold start where the config has one; the pretrained model's own accuracy is
+then one more eval, `fastgrpo eval`, with the run's prompts). Prints a table (accuracy before → after, the lift in points, minutes) and writes
 OUT/learning.json and OUT/learning.png (mean reward per step and held-out accuracy per seed).
 """
 from __future__ import annotations
@@ -26,11 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "smollm2_arithmetic")
 
 
-def _make_data(out_dir: str):
+def _make_data(out_dir: str, traces: bool = True):
     spec = importlib.util.spec_from_file_location("make_data", os.path.join(EXAMPLE, "make_data.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.make(out_dir)
+    return mod.make(out_dir, traces=traces)
 
 
 def _rows(path: str):
@@ -44,9 +54,25 @@ def _rows(path: str):
     return out
 
 
-def run_seed(seed: int, out: str, train: str, test: str, steps: int, minutes: float, extra):
+def pretrained_accuracy(config: str, out: str, train: str, test: str, extra) -> float:
+    """Held-out accuracy of the pretrained model with the config's prompts (tools included)."""
+    cmd = [sys.executable, "-m", "fastgrpo.cli", "eval", "--config", config, "--out", os.path.join(out, "pretrained"),
+           "--set", f"data.path={train}",
+           "--set", f"data.eval_path={test}", "--set", "logging.progress=false"]
+    for item in extra:
+        cmd += ["--set", item]
+    text = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+    import re
+
+    m = re.findall(r"accuracy[^0-9]*([01]\.[0-9]+)", text)
+    if not m:
+        raise RuntimeError(f"fastgrpo eval gave no accuracy:\n{text[-800:]}")
+    return float(m[-1])
+
+
+def run_seed(seed: int, out: str, train: str, test: str, steps: int, minutes: float, extra, config: str = ""):
     run = os.path.join(out, f"seed-{seed}")
-    cmd = [sys.executable, "-m", "fastgrpo.cli", "train", "--config", os.path.join(EXAMPLE, "config.yaml"),
+    cmd = [sys.executable, "-m", "fastgrpo.cli", "train", "--config", config or os.path.join(EXAMPLE, "config.yaml"),
            "--out", run, "--set", f"seed={seed}", "--set", f"steps={steps}", "--set", f"data.path={train}",
            "--set", f"data.eval_path={test}", "--set", "logging.progress=false"]
     for item in extra:
@@ -101,25 +127,36 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--minutes", type=float, default=30.0, help="wall-time cap per seed")
+    ap.add_argument("--config", default=os.path.join(EXAMPLE, "config.yaml"))
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more config overrides")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     train, test = _make_data(os.path.join(a.out, "data"))
+    from fastgrpo.config import load_config
+
+    cfg = load_config(a.config, a.extra)
+    base = pretrained_accuracy(a.config, a.out, train, test, a.extra) if cfg.sft_first else None
+    if base is not None:
+        print(f"pretrained model: held-out accuracy {base:.3f} (before the SFT cold start)", flush=True)
     results = []
     for s in a.seeds:
-        r = run_seed(s, a.out, train, test, a.steps, a.minutes, a.extra)
+        r = run_seed(s, a.out, train, test, a.steps, a.minutes, a.extra, a.config)
+        r["pretrained"] = base
         results.append(r)
         lift = "n/a" if r["lift_points"] is None else f"{r['lift_points']:+.1f}"
         cut = " (cut at the time cap)" if r["cut"] else ""
         print(f"seed {s}: held-out accuracy {r['before']} → {r['after']} ({lift} points) in "
               f"{r['minutes']:.1f} min{cut}, rc {r['rc']}", flush=True)
     with open(os.path.join(a.out, "learning.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({"config": a.config, "overrides": a.extra, "pretrained": base, "seeds": results}, f, indent=1)
     plot(results, os.path.join(a.out, "learning.png"))
-    print(f"\n| seed | before | after | lift (points) | minutes |\n|---|---|---|---|---|")
+    first = "after SFT" if base is not None else "before"
+    print(f"\n| seed | pretrained | {first} | after {a.steps} steps | lift (points) | minutes |\n|---|---|---|---|---|---|")
     for r in results:
-        lift = "n/a" if r["lift_points"] is None else f"{r['lift_points']:+.1f}"
-        print(f"| {r['seed']} | {r['before']} | {r['after']} | {lift} | {r['minutes']:.1f} |")
+        start = base if base is not None else r["before"]
+        lift = "n/a" if start is None or r["after"] is None else f"{100 * (r['after'] - start):+.1f}"
+        print(f"| {r['seed']} | {'n/a' if start is None else f'{start:.3f}'} | {r['before']} | {r['after']} | {lift} | "
+              f"{r['minutes']:.1f} |")
     return results
 
 

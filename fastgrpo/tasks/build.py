@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 from fastgrpo.config import DataConfig
 from fastgrpo.tasks.base import Problem, Task
 from fastgrpo.tasks.code import CodeTask, tests_text
-from fastgrpo.tasks.formatting import PromptFormatter, completion_text, prompt_lengths, row_turns
+from fastgrpo.tasks.formatting import PromptFormatter, check_trace, completion_text, prompt_lengths, row_turns
 from fastgrpo.tasks.loaders import Rows, load_rows
 from fastgrpo.tasks.math import JsonlTask, MathTask, check_references, make_extractor, reference_answer
 
@@ -158,23 +158,30 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
         _col(first, "tests", "tests", where0, False)
     mapped = set(dcfg.columns)
 
-    def parse(row: dict, where: str):
+    def parse(row: dict, where: str, held: bool = False):
         if "id" in mapped:
             _col(row, cols["id"], "id", where, True)
         turns = row_turns(_col(row, cols[prompt_field], prompt_field, where, prompt_field in mapped), where,
                           cols[prompt_field])
         comp = None
-        if turns[-1]["role"] == "assistant":  # a chat row's final answer turn: its reference completion
-            comp, turns = turns[-1]["content"] or None, turns[:-1]
-            if not any(t["role"] == "user" for t in turns):
+        if turns[-1]["role"] == "assistant":  # a chat row's final answer turn(s): its reference completion
+            last_user = max((j for j, t in enumerate(turns) if t["role"] == "user"), default=-1)
+            tail = turns[last_user + 1:]
+            if last_user < 0 or tail[0]["role"] != "assistant":
                 raise ValueError(f"{where}: column {cols[prompt_field]!r} has no user message before its assistant turn")
+            if any(t["role"] == "tool" for t in tail):  # a tool trace: the model's turns and the tool answers
+                comp, turns = check_trace(tail, where, cols[prompt_field]), turns[:last_user + 1]
+            else:
+                comp, turns = turns[-1]["content"] or None, turns[:-1]
         if "completion" in cols:
-            comp = completion_text(_col(row, cols["completion"], "completion", where, "completion" in mapped, False),
+            # a mapped completion column is required of train rows only: held-out rows are never trained on
+            comp = completion_text(_col(row, cols["completion"], "completion", where, "completion" in mapped and not held,
+                                        False),
                                    where, cols["completion"]) or comp
         return turns, comp
 
     train_parsed = [parse(r, w) for r, w in zip(train_rows, train_rows.locations)]
-    held_parsed = [parse(r, w) for r, w in zip(held_rows, held_rows.locations)]
+    held_parsed = [parse(r, w, held=True) for r, w in zip(held_rows, held_rows.locations)]
     fmt = PromptFormatter(tokenizer, dcfg.chat_template, dcfg.system_prompt, dcfg.enable_thinking, tools=tools)
     shot_idx: List[int] = []
     if dcfg.few_shot:

@@ -43,15 +43,44 @@ def row_turns(value, where: str, column: str) -> Turns:
     return turns
 
 
-def completion_text(value, where: str, column: str) -> Optional[str]:
-    """A completion cell as text: a string, or TRL's conversational list of assistant messages."""
+def completion_text(value, where: str, column: str):
+    """A completion cell: its text (a string, or TRL's conversational list of assistant messages),
+    or a tool trace — a message list with tool (or user) messages between assistant turns, given
+    back as that list (checked by `check_trace`)."""
     if value is None:
         return None
     if isinstance(value, str):
         return value or None
     if isinstance(value, (list, tuple)) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+        if any(m.get("role", "assistant") != "assistant" for m in value):
+            return check_trace(list(value), where, column)
         return "".join(m["content"] for m in value) or None
     raise ValueError(f"{where}: column {column!r} holds {type(value).__name__}; expected the completion text")
+
+
+def check_trace(messages: Sequence[dict], where: str, column: str) -> Turns:
+    """A tool trace as {role, content} turns: assistant turns with tool / user messages between
+    them, first and last an assistant turn (what an episode's turns are); named error otherwise."""
+    out: Turns = []
+    for j, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("assistant", "tool", "user"):
+            raise ValueError(f"{where}: column {column!r} message {j} has role {role!r}; a tool trace holds assistant, "
+                             "tool and user messages")
+        if m.get("tool_calls"):
+            raise ValueError(f"{where}: column {column!r} message {j} has structured tool_calls; write the call in the "
+                             "assistant's content as the model writes it (<tool_call>{\"name\": …, \"arguments\": …}"
+                             "</tool_call>)")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: column {column!r} message {j} has no text content")
+        if out and role == "assistant" and out[-1]["role"] == "assistant":
+            raise ValueError(f"{where}: column {column!r} messages {j - 1} and {j} are two assistant turns in a row; a "
+                             "tool trace has a tool (or user) message between the model's turns")
+        out.append({"role": role, "content": m["content"]})
+    if out[0]["role"] != "assistant" or out[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: column {column!r}: a tool trace starts and ends with an assistant turn (the model's "
+                         f"first and final turns); it runs {out[0]['role']} … {out[-1]['role']}")
+    return out
 
 
 class PromptFormatter:
@@ -90,7 +119,8 @@ class PromptFormatter:
     def _shot_turns(self) -> Turns:
         out: Turns = []
         for turns, comp in self.shots:
-            out += [t for t in turns if t["role"] != "system"] + [{"role": "assistant", "content": comp}]
+            out += [t for t in turns if t["role"] != "system"]
+            out += list(comp) if isinstance(comp, list) else [{"role": "assistant", "content": comp}]
         return out
 
     def _apply(self, messages: Turns, generation_prompt: bool) -> str:
@@ -118,12 +148,15 @@ class PromptFormatter:
             return self._apply(self.messages(turns, where), True)
         parts = [self.system_prompt] if self.system_prompt is not None else []
         parts += [t["content"] for t in turns if t["role"] == "system"]
-        parts += [self.plain(t) + c for t, c in self.shots]
+        parts += [self.plain(t) + (c if isinstance(c, str) else "".join(m["content"] for m in c)) for t, c in self.shots]
         parts.append(self.plain(turns))
         return "\n\n".join(parts)
 
-    def completion(self, turns: Turns, completion: str, where: str = "row") -> str:
-        """The SFT target for `completion` after this prompt (see the module docstring)."""
+    def completion(self, turns: Turns, completion, where: str = "row"):
+        """The SFT target for `completion` after this prompt (see the module docstring); a tool
+        trace (a message list) gives segments (`trace_segments`)."""
+        if isinstance(completion, list):
+            return self.trace_segments(completion)
         if not self.use_template:
             return completion
         msgs = self.messages(turns, where)
@@ -139,6 +172,43 @@ class PromptFormatter:
         eos = getattr(self.tokenizer, "eos_token", None)
         cut = turn.rfind(eos) if eos else -1
         return turn[:cut] if cut >= 0 else turn
+
+    def trace_segments(self, trace: Turns) -> List[Tuple[Any, bool]]:
+        """A tool trace as SFT segments [(text or ids, trained), …], with the ids an episode puts
+        between the turns (fastgrpo.episodes.render.TurnRenderer, the runner's own renderer): each
+        assistant turn is trained as written; a turn that ends in a tool call stops there (the
+        episode stops at `</tool_call>`) and the template's close after it is not trained, any other
+        turn ends on eos (trained) before the rest of the close; tool / user messages and the next
+        assistant header are not trained. The final turn's eos is the SFT trainer's own. Without a
+        tokenizer (no template) the environment's messages are text in the tag format."""
+        from fastgrpo.episodes.calls import TOOL_CALL_END
+        from fastgrpo.episodes.render import TurnRenderer, tag_format
+
+        turns: List[Tuple[str, Turns]] = []   # (an assistant turn, the environment messages after it)
+        for m in trace:
+            if m["role"] == "assistant":
+                turns.append((m["content"], []))
+            else:
+                turns[-1][1].append(m)
+        if self.tokenizer is None:
+            return [seg for text, env in turns for seg in [(text, True)] + ([(tag_format(env), False)] if env else [])]
+        if getattr(self, "_renderer", None) is None:
+            native = self.tools is not None and self.use_template and self.tools[2]
+            self._renderer = TurnRenderer(self.tokenizer, use_template=self.use_template,
+                                          tools=self.tools[0] if native else None)
+        r, eos = self._renderer, getattr(self.tokenizer, "eos_token_id", None)
+        out: List[Tuple[Any, bool]] = []
+        for text, env in turns:
+            out.append((text, True))
+            if not env:
+                break
+            sampled = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if not text.rstrip().endswith(TOOL_CALL_END) and eos is not None:
+                out.append(([eos], True))   # a turn without a call ends on eos, as the model samples it
+                sampled.append(eos)
+            (_, env_ids), (_, head) = r.environment(env)
+            out += [(list(r.close(sampled)), False), (list(env_ids), False), (list(head), False)]
+        return [(piece, trained) for piece, trained in out if piece]
 
 
 def prompt_lengths(tokenizer, prompts: Sequence[str], batch: int = 256) -> List[int]:

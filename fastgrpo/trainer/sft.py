@@ -59,8 +59,8 @@ def _encode_completion(tokenizer, completion, eos: int):
         return tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos], None
     ids: list = []
     mask: list = []
-    for text, trained in completion:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for text, trained in completion:  # a segment's text, or its ids as they are (a tool trace's bridges)
+        piece = list(text) if isinstance(text, list) else tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [1.0 if trained else 0.0] * len(piece)
     return ids + [eos], mask + [mask[-1] if mask else 1.0]

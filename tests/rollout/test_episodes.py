@@ -407,3 +407,59 @@ def test_per_turn_rewards_reach_the_tokens_of_their_turns(tmp_path, mode):
             expect = torch.as_tensor(trained[tuple(key)], dtype=torch.float32)
             assert expect.shape == m.shape
             assert torch.allclose(b.advantages[lo[s]:lo[s + 1]][m], expect[m], atol=1e-6)
+
+
+class _CanonicalEngine(ScriptedEngine):
+    """ScriptedEngine that samples the tokenizer's own split of its text (what SFT teaches)."""
+
+    def _sample(self, prompt_ids, sampling, max_new_tokens, seeds):
+        outs = super()._sample(prompt_ids, sampling, max_new_tokens, seeds)
+        for o in outs:
+            eos = o.token_ids[-1:] == [self.tokenizer.eos_token_id]
+            o.token_ids[:] = self.tokenizer(o.text, add_special_tokens=False)["input_ids"] + (
+                [self.tokenizer.eos_token_id] if eos else [])
+            o.logprobs[:] = [-0.01] * len(o.token_ids)
+        return outs
+
+
+@pytest.mark.parametrize("column", ["completion", "messages"])
+def test_an_sft_tool_trace_is_the_episode_the_runner_builds(tmp_path, column):
+    """A tool trace given as data (a `completion` message list, or a chat row's turns after its
+    user message) becomes SFT ids and a loss mask that equal, token for token, the ledger of the
+    episode in which the model writes those turns: the call stops at </tool_call> (the close after
+    it not trained), the tool's answer and the next header as the runner renders them (not
+    trained), the final turn and its eos trained."""
+    import json
+
+    from fastgrpo.config import DataConfig
+    from fastgrpo.tasks.build import build_task
+    from fastgrpo.trainer.sft import _encode_completion
+
+    tok = bpe_tokenizer()
+    trace = [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "408"},
+             {"role": "assistant", "content": "The answer is 408."}]
+    q = "What is 12*34? (0)"
+    row = ({"prompt": q, "completion": trace} if column == "completion"
+           else {"messages": [{"role": "user", "content": q}] + trace})
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(dict(row, answer="408")) + "\n")
+    task = build_task(DataConfig(path=str(path)), tokenizer=tok)
+    p = task.train[0]
+    ids, mask = _encode_completion(tok, p.completion, tok.eos_token_id)
+
+    trainer, engine = _trainer(tmp_path, tok, lambda text, turn: (CALL, False) if turn < 2 else
+                               ("The answer is 408.", True), "rollout.max_turns=2")
+    engine.__class__ = _CanonicalEngine
+    try:
+        prob = trainer.task.train[0]
+        assert prob.prompt == p.prompt  # the same rendered prompt
+        led = trainer._rollout([prob])[0][0].episode
+    finally:
+        trainer.close()
+    assert led.stop == "done" and led.tool_calls == 1
+    full = led.ids()
+    n = len(trainer._prompt_ids[prob.id])
+    episode_mask = [1.0 if s.kind == "sampled" else 0.0 for s in led.segments for _ in s.ids][n:]
+    assert ids == full[n:] and mask == episode_mask
+    assert sum(mask) == len(tok(CALL, add_special_tokens=False)["input_ids"]) + \
+        len(tok("The answer is 408.", add_special_tokens=False)["input_ids"]) + 1   # the two turns and the eos

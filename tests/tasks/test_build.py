@@ -121,3 +121,29 @@ def test_missing_eval_path_and_template(tmp_path):
         build_task(DataConfig(path=p, eval_path=str(tmp_path / "nope.jsonl")))
     with pytest.raises(ValueError, match=r"data.chat_template=on: no tokenizer"):
         build_task(DataConfig(path=p, chat_template="on"))
+
+
+def test_tool_traces_as_completions(tmp_path):
+    """A completion column (or a chat row's turns after its last user message) holding tool
+    messages is a tool trace: SFT segments, tool answers untrained; a mapped completion column is
+    not required of held-out rows; a trace that is not a run of model turns between environment
+    messages is named."""
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1+1)"}}</tool_call>'
+    trace = [{"role": "assistant", "content": call}, {"role": "tool", "content": "2\n"},
+             {"role": "assistant", "content": "The answer is 2."}]
+    p = _write(tmp_path, [{"q": "1+1?", "answer": "2", "c": trace}])
+    e = _write(tmp_path, [{"q": "2+2?", "answer": "4"}], "e.jsonl")
+    t = build_task(DataConfig(path=p, eval_path=e, columns={"prompt": "q", "completion": "c"}))
+    segs = t.train[0].completion
+    assert t.has_completions and t.heldout[0].completion is None
+    assert [s for s, on in segs if on] == [call, "The answer is 2."]
+    assert any("2\n" in s for s, on in segs if not on and isinstance(s, str))   # the tool's answer, untrained
+    chat = _write(tmp_path, [{"messages": [{"role": "user", "content": "1+1?"}] + trace, "answer": "2"}], "m.jsonl")
+    assert build_task(DataConfig(path=chat)).train[0].completion == segs
+    bad = [([{"role": "tool", "content": "2"}, trace[2]], "starts and ends with an assistant turn"),
+           ([trace[0], trace[2], trace[1], trace[2]], "two assistant turns in a row"),
+           ([dict(trace[0], tool_calls=[{"name": "python"}]), trace[1], trace[2]], "structured tool_calls"),
+           ([trace[0], {"role": "system", "content": "x"}, trace[2]], "role 'system'")]
+    for value, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            build_task(DataConfig(path=_write(tmp_path, [{"prompt": "1+1?", "answer": "2", "completion": value}])))
