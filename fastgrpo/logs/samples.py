@@ -66,6 +66,10 @@ def _row(step, p, i, j, c, pick, per_fn, total, adv, zero_std) -> dict:
     version = _version(c)
     if version is not None:
         row["policy_version"] = version
+    return _with_episode(row, c)
+
+
+def _with_episode(row: dict, c) -> dict:
     episode = getattr(c, "episode", None)
     if episode is not None:  # a multi-turn episode, turn by turn: what the model wrote vs what came back
         row.update(stop=episode.stop, turns=episode.turns, tool_calls=episode.tool_calls,
@@ -94,15 +98,16 @@ def select_samples(step: int, problems: Sequence, groups: Sequence, per_fn: Dict
 
 
 def eval_rows(problems: Sequence, groups: Sequence, scores) -> List[dict]:
-    """Every held-out completion with its verifier score (`scores` [problems, n]); the step and
-    tag are added when written."""
+    """Every held-out completion with its verifier score (`scores` [problems, n]), a multi-turn
+    episode turn by turn; the step and tag are added when written."""
     scores = np.asarray(scores, dtype=np.float64)
     rows = []
     for i, (p, grp) in enumerate(zip(problems, groups)):
         for j, c in enumerate(grp):
-            rows.append({"prompt_id": json_value(getattr(p, "id", i)), "sample": j, "prompt": p.prompt, "completion": c.text,
-                         "score": json_value(float(scores[i, j])), "length": len(c.token_ids),
-                         "finish_reason": getattr(c, "finish_reason", "stop")})
+            rows.append(_with_episode({"prompt_id": json_value(getattr(p, "id", i)), "sample": j, "prompt": p.prompt,
+                                       "completion": c.text, "score": json_value(float(scores[i, j])),
+                                       "length": len(c.token_ids), "finish_reason": getattr(c, "finish_reason", "stop")},
+                                      c))
     return rows
 
 

@@ -13,6 +13,11 @@ The SFT completion of a chat model ends as the template's assistant turn would: 
 with the completion as its last assistant turn is rendered and the generation prompt cut off its
 front; the turn's end up to the eos token is dropped because the SFT trainer appends eos itself
 (ChatML: `answer<|im_end|>\\n` → `answer`, then `<|im_end|>` = eos is appended).
+
+A tool trace (a completion that is a message list with tool messages between the model's turns, or
+a chat row's turns after its last user message when they hold one) is SFT segments instead: the
+model's turns trained, and between them the ids a multi-turn episode puts there, from the episode
+runner's own renderer (`PromptFormatter.trace_segments`), untrained.
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ Accuracy is the task's verifier (`Rewards.verifier`) whatever the run trains on:
 rewards are only the user's own is still measured by the task's answers. A task with no verifier
 evaluates what it can — `eval/length_mean`, `eval/truncated`, each training reward's mean
 (`eval/reward/<name>`) — and says so once; its result has no `eval/accuracy`.
+
+Multi-turn runs evaluate whole episodes, tools included, and also log how the held-out episodes
+used them (`eval/episode/tool_calls`, `…/turns_mean`, `…/stop_<reason>`, the training step's
+`episode/` metrics); eval_samples.jsonl shows each episode turn by turn.
 """
 from __future__ import annotations
 
@@ -138,6 +142,10 @@ def evaluate(engine, problems: Sequence, reward_fns, ecfg: EvalConfig, rcfg: Rol
     out["eval/length_mean"] = float(np.mean([len(c.token_ids) for g in groups for c in g]))
     # completions cut by the cap: a held-out accuracy with many of them measures the cap, not the model
     out["eval/truncated"] = float(np.mean(inputs.truncated)) if comps else 0.0
+    from fastgrpo.trainer.step_metrics import episode_metrics
+
+    # multi-turn: how the held-out episodes used their tools (eval/episode/tool_calls, …/stop_<reason>)
+    out.update({f"eval/{k}": v for k, v in episode_metrics(groups).items()})
     from fastgrpo.logs.samples import EvalResult, eval_rows
 
     # a dict as before, carrying every completion with its score: the run's logger writes them

@@ -317,8 +317,15 @@ def test_a_step_reports_episode_metrics_and_samples_turn_by_turn(tmp_path):
     trainer, _ = _trainer(tmp_path, tok, one_bad_call, "logging.samples_every=1", "steps=1")
     try:
         logs = trainer.step()
+        from fastgrpo.trainer.evaluation import evaluate
+
+        ev = evaluate(trainer.engine, trainer.task.heldout, trainer.reward_fns, trainer.cfg.eval, trainer.cfg.rollout)
     finally:
         trainer.close()
+    # held-out episodes run their tools too, and say how they used them; eval_samples rows show each turn
+    assert ev["eval/episode/tool_calls"] == 1.0 and ev["eval/episode/tool_errors"] == 1.0
+    assert ev["eval/episode/stop_done"] == 1.0 and ev["eval/accuracy"] == 1.0
+    assert [t["kind"] for t in ev.samples[0]["episode"]] == ["sampled", "bridge", "environment", "bridge", "sampled"]
     assert logs["episode/turns_mean"] == 2.0 and logs["episode/tool_calls"] == 1.0
     assert logs["episode/tool_errors"] == 1.0 and logs["episode/tool_timeouts"] == 0.0
     assert logs["episode/stop_done"] == 1.0 and logs["episode/stop_budget"] == 0.0
