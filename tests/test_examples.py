@@ -69,7 +69,10 @@ def test_python_tool_example_traces(tmp_path):
     parts = load_run(cfg, log=lambda m: None, need_sft=True)
     p = parts.task.train[0]
     assert '"name": "python"' in p.prompt and p.prompt.endswith("<|im_start|>assistant\n")
-    trained = [s for s, on in p.completion if on]
+    from fastgrpo.trainer.sft import sft_examples
+
+    ((_, segments),) = sft_examples(parts.task, [p], None, 0.0, parts.tokenizer)
+    trained = [s for s, on in segments if on]
     assert trained[0] == train[0]["completion"][0]["content"] and trained[-1] == train[0]["answer_turn"]
-    untrained = parts.tokenizer.decode([i for s, on in p.completion if not on for i in s])
+    untrained = parts.tokenizer.decode([i for s, on in segments if not on for i in s])
     assert train[0]["answer"] + "\n" in untrained and "<|im_start|>tool" in untrained

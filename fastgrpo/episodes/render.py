@@ -146,3 +146,34 @@ def fork_prompt(tokenizer, prompt_text: str, history: List[dict], tools=None) ->
     if not full.startswith(bare):
         raise TemplateError("rollout.history=fork: the template rewrites the user message itself")
     return prompt_text[:len(prompt_text) - len(header)] + full[len(bare):]
+
+
+def trace_segments(renderer: TurnRenderer, trace: List[dict]) -> List[Tuple[object, bool]]:
+    """A tool trace (assistant turns with tool / user messages between them, checked by
+    fastgrpo.tasks.formatting.check_trace) as SFT segments [(text or ids, trained), …], with the
+    ids an episode puts between the turns: each assistant turn trained as written; a turn that ends
+    in a tool call stops there (the episode stops at `</tool_call>`) and the template's close after
+    it is not trained, any other turn ends on eos (trained) before the rest of the close; the
+    environment's messages and the next assistant header are not trained. The final turn's eos is
+    the SFT trainer's own."""
+    from fastgrpo.episodes.calls import TOOL_CALL_END
+
+    turns: List[Tuple[str, List[dict]]] = []   # (an assistant turn, the environment messages after it)
+    for m in trace:
+        if m["role"] == "assistant":
+            turns.append((m["content"], []))
+        else:
+            turns[-1][1].append(m)
+    eos = getattr(renderer.tok, "eos_token_id", None)
+    out: List[Tuple[object, bool]] = []
+    for text, env in turns:
+        out.append((text, True))
+        if not env:
+            break
+        sampled = _ids(renderer.tok, text)
+        if not text.rstrip().endswith(TOOL_CALL_END) and eos is not None:
+            out.append(([eos], True))   # a turn without a call ends on eos, as the model samples it
+            sampled.append(eos)
+        (_, env_ids), (_, head) = renderer.environment(env)
+        out += [(list(renderer.close(sampled)), False), (list(env_ids), False), (list(head), False)]
+    return [(piece, trained) for piece, trained in out if piece]

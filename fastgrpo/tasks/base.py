@@ -18,7 +18,8 @@ class Problem:
     prompt: str  # the exact model input text (chat template, system prompt, few-shot already applied)
     answer: str = ""  # reference answer (math: the extracted final answer, checked at load)
     tests: Optional[str] = None  # code: the hidden unit tests (asserts or a test program)
-    completion: Optional[Any] = None  # SFT reference: text ending as the template's assistant turn would, or a tool trace's segments [(text | ids, trained)]
+    completion: Optional[Any] = None  # SFT reference: text ending as the template's assistant turn would,
+    # or a tool trace: [{role, content}, …], the model's turns with tool / user messages between them
     key: str = ""  # the user's name for the row in messages: their id column, else `file:line` / `file row N`
     row: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)  # every raw column (TRL passes these to reward fns)
 

@@ -232,6 +232,8 @@ def build_task(dcfg: DataConfig, tokenizer=None, context_len: Optional[int] = No
         cls = JsonlTask if kind == "jsonl" else MathTask
         task = cls(train, heldout, dcfg.answer_format, dcfg.answer_tag, few_shot=shots, source=dcfg.path)
     task.chat_template_applied = fmt.use_template  # whether prompts went through the tokenizer's chat template
+    # the tool schemas the template renders (`tools=`), for SFT to render tool traces as the episodes do
+    task.tool_schemas = tools[0] if tools is not None and tools[2] else None
     return task
 
 

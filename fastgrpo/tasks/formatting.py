@@ -15,9 +15,9 @@ front; the turn's end up to the eos token is dropped because the SFT trainer app
 (ChatML: `answer<|im_end|>\\n` → `answer`, then `<|im_end|>` = eos is appended).
 
 A tool trace (a completion that is a message list with tool messages between the model's turns, or
-a chat row's turns after its last user message when they hold one) is SFT segments instead: the
-model's turns trained, and between them the ids a multi-turn episode puts there, from the episode
-runner's own renderer (`PromptFormatter.trace_segments`), untrained.
+a chat row's turns after its last user message when they hold one) stays that message list: SFT
+trains the model's turns and, untrained between them, the ids a multi-turn episode puts there
+(fastgrpo.episodes.render.trace_segments, the episode runner's own renderer).
 """
 from __future__ import annotations
 
@@ -159,9 +159,9 @@ class PromptFormatter:
 
     def completion(self, turns: Turns, completion, where: str = "row"):
         """The SFT target for `completion` after this prompt (see the module docstring); a tool
-        trace (a message list) gives segments (`trace_segments`)."""
+        trace (a message list) is kept as it is (SFT renders it, as an episode would)."""
         if isinstance(completion, list):
-            return self.trace_segments(completion)
+            return completion
         if not self.use_template:
             return completion
         msgs = self.messages(turns, where)
@@ -177,44 +177,6 @@ class PromptFormatter:
         eos = getattr(self.tokenizer, "eos_token", None)
         cut = turn.rfind(eos) if eos else -1
         return turn[:cut] if cut >= 0 else turn
-
-    def trace_segments(self, trace: Turns) -> List[Tuple[Any, bool]]:
-        """A tool trace as SFT segments [(text or ids, trained), …], with the ids an episode puts
-        between the turns (fastgrpo.episodes.render.TurnRenderer, the runner's own renderer): each
-        assistant turn is trained as written; a turn that ends in a tool call stops there (the
-        episode stops at `</tool_call>`) and the template's close after it is not trained, any other
-        turn ends on eos (trained) before the rest of the close; tool / user messages and the next
-        assistant header are not trained. The final turn's eos is the SFT trainer's own. Without a
-        tokenizer (no template) the environment's messages are text in the tag format."""
-        from fastgrpo.episodes.calls import TOOL_CALL_END
-        from fastgrpo.episodes.render import TurnRenderer, tag_format
-
-        turns: List[Tuple[str, Turns]] = []   # (an assistant turn, the environment messages after it)
-        for m in trace:
-            if m["role"] == "assistant":
-                turns.append((m["content"], []))
-            else:
-                turns[-1][1].append(m)
-        if self.tokenizer is None:
-            return [seg for text, env in turns for seg in [(text, True)] + ([(tag_format(env), False)] if env else [])]
-        if getattr(self, "_renderer", None) is None:
-            native = self.tools is not None and self.use_template and self.tools[2]
-            self._renderer = TurnRenderer(self.tokenizer, use_template=self.use_template,
-                                          tools=self.tools[0] if native else None)
-        r, eos = self._renderer, getattr(self.tokenizer, "eos_token_id", None)
-        out: List[Tuple[Any, bool]] = []
-        for text, env in turns:
-            out.append((text, True))
-            if not env:
-                break
-            sampled = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            if not text.rstrip().endswith(TOOL_CALL_END) and eos is not None:
-                out.append(([eos], True))   # a turn without a call ends on eos, as the model samples it
-                sampled.append(eos)
-            (_, env_ids), (_, head) = r.environment(env)
-            out += [(list(r.close(sampled)), False), (list(env_ids), False), (list(head), False)]
-        return [(piece, trained) for piece, trained in out if piece]
-
 
 def prompt_lengths(tokenizer, prompts: Sequence[str], batch: int = 256) -> List[int]:
     """Token counts of prompts as the rollout encodes them (no special tokens added)."""

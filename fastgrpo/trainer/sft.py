@@ -37,18 +37,28 @@ from fastgrpo.config import TrainConfig
 from fastgrpo.logs.metrics import MetricsLogger
 
 
-def sft_examples(task, problems, rng: random.Random, noise: float):
+def sft_examples(task, problems, rng: random.Random, noise: float, tokenizer=None):
     """(prompt text, completion) pairs: task.sft_completion(...) (a text, or segments [(text,
-    trained), …]) or a row's `completion`."""
+    trained), …]) or a row's `completion`; a tool trace (a message list) becomes segments with
+    the ids an episode puts between its turns (fastgrpo.episodes.render.trace_segments, rendered
+    with `tokenizer` and the task's `tool_schemas`)."""
     out = []
+    renderer = None
     for p in problems:
         if hasattr(task, "sft_completion"):
             out.append((p.prompt, task.sft_completion(p, rng, noise)))
-        else:
-            comp = getattr(p, "completion", None)
-            if not comp:
-                raise ValueError(f"problem id {p.id}: SFT needs a reference completion (jsonl field 'completion')")
-            out.append((p.prompt, comp))
+            continue
+        comp = getattr(p, "completion", None)
+        if not comp:
+            raise ValueError(f"problem id {p.id}: SFT needs a reference completion (jsonl field 'completion')")
+        if isinstance(comp, list) and comp and isinstance(comp[0], dict):  # a tool trace
+            from fastgrpo.episodes.render import TurnRenderer, trace_segments
+
+            if tokenizer is None:
+                raise ValueError(f"problem id {p.id}: a tool trace needs the tokenizer to render its turns")
+            renderer = renderer or TurnRenderer(tokenizer, tools=getattr(task, "tool_schemas", None))
+            comp = trace_segments(renderer, comp)
+        out.append((p.prompt, comp))
     return out
 
 
@@ -116,7 +126,7 @@ def run_sft(cfg: TrainConfig, model, tokenizer, task, out_dir: Optional[str] = N
     try:
         for step in range(1, scfg.steps + 1):
             probs = rng.sample(pool, scfg.batch_size) if len(pool) >= scfg.batch_size else rng.choices(pool, k=scfg.batch_size)
-            pairs = sft_examples(task, probs, rng, scfg.noise)
+            pairs = sft_examples(task, probs, rng, scfg.noise, tokenizer)
             prompts = [ids(p) for p, _ in pairs]
             comps, masks = zip(*[_encode_completion(tokenizer, c, eos) for _, c in pairs])
             masked = any(m is not None for m in masks)

@@ -440,7 +440,7 @@ def test_an_sft_tool_trace_is_the_episode_the_runner_builds(tmp_path, column):
 
     from fastgrpo.config import DataConfig
     from fastgrpo.tasks.build import build_task
-    from fastgrpo.trainer.sft import _encode_completion
+    from fastgrpo.trainer.sft import _encode_completion, sft_examples
 
     tok = bpe_tokenizer()
     trace = [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "408"},
@@ -452,7 +452,8 @@ def test_an_sft_tool_trace_is_the_episode_the_runner_builds(tmp_path, column):
     path.write_text(json.dumps(dict(row, answer="408")) + "\n")
     task = build_task(DataConfig(path=str(path)), tokenizer=tok)
     p = task.train[0]
-    ids, mask = _encode_completion(tok, p.completion, tok.eos_token_id)
+    ((_, segments),) = sft_examples(task, [p], None, 0.0, tok)
+    ids, mask = _encode_completion(tok, segments, tok.eos_token_id)
 
     trainer, engine = _trainer(tmp_path, tok, lambda text, turn: (CALL, False) if turn < 2 else
                                ("The answer is 408.", True), "rollout.max_turns=2")

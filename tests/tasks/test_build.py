@@ -125,7 +125,7 @@ def test_missing_eval_path_and_template(tmp_path):
 
 def test_tool_traces_as_completions(tmp_path):
     """A completion column (or a chat row's turns after its last user message) holding tool
-    messages is a tool trace: SFT segments, tool answers untrained; a mapped completion column is
+    messages is a tool trace, kept as its messages (SFT renders them); a mapped completion column is
     not required of held-out rows; a trace that is not a run of model turns between environment
     messages is named."""
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(1+1)"}}</tool_call>'
@@ -134,12 +134,10 @@ def test_tool_traces_as_completions(tmp_path):
     p = _write(tmp_path, [{"q": "1+1?", "answer": "2", "c": trace}])
     e = _write(tmp_path, [{"q": "2+2?", "answer": "4"}], "e.jsonl")
     t = build_task(DataConfig(path=p, eval_path=e, columns={"prompt": "q", "completion": "c"}))
-    segs = t.train[0].completion
     assert t.has_completions and t.heldout[0].completion is None
-    assert [s for s, on in segs if on] == [call, "The answer is 2."]
-    assert any("2\n" in s for s, on in segs if not on and isinstance(s, str))   # the tool's answer, untrained
+    assert t.train[0].completion == trace and t.train[0].prompt == "1+1?"   # kept as messages: SFT renders it
     chat = _write(tmp_path, [{"messages": [{"role": "user", "content": "1+1?"}] + trace, "answer": "2"}], "m.jsonl")
-    assert build_task(DataConfig(path=chat)).train[0].completion == segs
+    assert build_task(DataConfig(path=chat)).train[0].completion == trace
     bad = [([{"role": "tool", "content": "2"}, trace[2]], "starts and ends with an assistant turn"),
            ([trace[0], trace[2], trace[1], trace[2]], "two assistant turns in a row"),
            ([dict(trace[0], tool_calls=[{"name": "python"}]), trace[1], trace[2]], "structured tool_calls"),
