@@ -81,7 +81,10 @@ def check_trace(messages: Sequence[dict], where: str, column: str) -> Turns:
         if out and role == "assistant" and out[-1]["role"] == "assistant":
             raise ValueError(f"{where}: column {column!r} messages {j - 1} and {j} are two assistant turns in a row; a "
                              "tool trace has a tool (or user) message between the model's turns")
-        out.append({"role": role, "content": m["content"]})
+        msg = {"role": role, "content": m["content"]}
+        if isinstance(m.get("name"), str):  # a tool message's tool name (templates that render it)
+            msg["name"] = m["name"]
+        out.append(msg)
     if out[0]["role"] != "assistant" or out[-1]["role"] != "assistant":
         raise ValueError(f"{where}: column {column!r}: a tool trace starts and ends with an assistant turn (the model's "
                          f"first and final turns); it runs {out[0]['role']} … {out[-1]['role']}")

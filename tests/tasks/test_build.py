@@ -138,6 +138,9 @@ def test_tool_traces_as_completions(tmp_path):
     assert t.train[0].completion == trace and t.train[0].prompt == "1+1?"   # kept as messages: SFT renders it
     chat = _write(tmp_path, [{"messages": [{"role": "user", "content": "1+1?"}] + trace, "answer": "2"}], "m.jsonl")
     assert build_task(DataConfig(path=chat)).train[0].completion == trace
+    named = [trace[0], dict(trace[1], name="python"), trace[2]]   # the tool's name is kept, as the runner sends it
+    t = build_task(DataConfig(path=_write(tmp_path, [{"prompt": "1+1?", "answer": "2", "completion": named}], "n.jsonl")))
+    assert t.train[0].completion[1] == {"role": "tool", "content": "2\n", "name": "python"}
     bad = [([{"role": "tool", "content": "2"}, trace[2]], "starts and ends with an assistant turn"),
            ([trace[0], trace[2], trace[1], trace[2]], "two assistant turns in a row"),
            ([dict(trace[0], tool_calls=[{"name": "python"}]), trace[1], trace[2]], "structured tool_calls"),
