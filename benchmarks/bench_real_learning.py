@@ -36,11 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "smollm2_arithmetic")
 
 
-def _make_data(out_dir: str, traces: bool = True):
+def _make_data(out_dir: str):
     spec = importlib.util.spec_from_file_location("make_data", os.path.join(EXAMPLE, "make_data.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.make(out_dir, traces=traces)
+    return mod.make(out_dir, traces=True)  # the tool traces too: config_python.yaml's cold start
 
 
 def _rows(path: str):

@@ -64,12 +64,6 @@ def _delta(tokenizer, longer: str, base: str, what: str) -> Tuple[str, List[int]
     return text, piece
 
 
-def tag_format(messages: List[dict]) -> str:
-    """The environment's messages in the documented tag format (tokenizers without a chat template)."""
-    return "".join(f"\n{TOOL_RESPONSE_START}\n{m['content']}\n{TOOL_RESPONSE_END}\n" if m["role"] == "tool"
-                   else f"\n{m['content']}\n" for m in messages)
-
-
 class TurnRenderer:
     """Ids of the bridge and environment segments between two model turns, for one tokenizer.
 
@@ -105,7 +99,8 @@ class TurnRenderer:
     def environment(self, messages: List[dict]) -> Tuple[Tuple[str, List[int]], Tuple[str, List[int]]]:
         """((text, ids) of the environment's messages, (text, ids) of the next assistant header)."""
         if not self.template:
-            body = tag_format(messages)
+            body = "".join(f"\n{TOOL_RESPONSE_START}\n{m['content']}\n{TOOL_RESPONSE_END}\n" if m["role"] == "tool"
+                           else f"\n{m['content']}\n" for m in messages)
             return (body, _ids(self.tok, body)), ("", [])
         msgs = self._base_msgs + list(messages)
         env = _render(self.tok, msgs, False, self.tools)

@@ -181,6 +181,7 @@ class PromptFormatter:
         cut = turn.rfind(eos) if eos else -1
         return turn[:cut] if cut >= 0 else turn
 
+
 def prompt_lengths(tokenizer, prompts: Sequence[str], batch: int = 256) -> List[int]:
     """Token counts of prompts as the rollout encodes them (no special tokens added)."""
     out: List[int] = []
